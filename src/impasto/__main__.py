@@ -1,0 +1,3 @@
+from impasto.cli import main
+
+raise SystemExit(main())

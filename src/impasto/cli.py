@@ -1,0 +1,115 @@
+"""The ``impasto`` command line: argument parsing only; every command calls the Python API.
+
+User mistakes (bad config, missing files, unreadable data) print one line and exit with code 2;
+set ``IMPASTO_DEBUG=1`` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from impasto.config import config_to_yaml, load_config
+
+    config = load_config(args.config, args.set or [])
+    if args.print_config:
+        print(config_to_yaml(config), end="")
+        return 0
+    from impasto.train import train
+
+    result = train(config, resume=not args.no_resume)
+    return 130 if result.interrupted else 0
+
+
+def cmd_data_demo(args: argparse.Namespace) -> int:
+    from impasto.data.demo import write_demo_dataset
+
+    count = write_demo_dataset(Path(args.out_dir), args.num_images, args.size, seed=args.seed)
+    print(f"impasto: wrote {count} images with captions to {args.out_dir}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from impasto.doctor import environment_report
+
+    print(environment_report())
+    return 0
+
+
+def not_yet(name: str, issue: int) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(f"impasto {name}: not implemented yet (tracked in issue #{issue})", file=sys.stderr)
+        return 1
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="impasto", description="Train SDXL-family models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train or resume the run of a config file")
+    train.add_argument("config", help="YAML config file")
+    train.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set optim.lr=1e-4 (repeatable)",
+    )
+    train.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    train.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start over; earlier checkpoints move to RUN/previous-<time>/",
+    )
+    train.set_defaults(func=cmd_train)
+
+    data = sub.add_parser("data", help="dataset tools").add_subparsers(
+        dest="data_command", required=True
+    )
+    demo = data.add_parser("demo", help="write the built-in demo dataset (coloured shapes)")
+    demo.add_argument("out_dir")
+    demo.add_argument("--num-images", type=int, default=16)
+    demo.add_argument("--size", type=int, default=64)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=cmd_data_demo)
+
+    sub.add_parser("doctor", help="report the environment").set_defaults(func=cmd_doctor)
+    for name, issue, help_text in (
+        ("sample", 3, "generate images from a checkpoint"),
+        ("cache", 6, "fill the latent and text-embedding cache"),
+        ("export", 5, "export a checkpoint (single file, diffusers, LoRA)"),
+        ("bench", 7, "synthetic speed and memory benchmark"),
+    ):
+        stub = sub.add_parser(name, help=f"{help_text} (not implemented yet: issue #{issue})")
+        stub.add_argument("rest", nargs=argparse.REMAINDER)
+        stub.set_defaults(func=not_yet(name, issue))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        if os.environ.get("IMPASTO_DEBUG"):
+            raise
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"impasto: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except FloatingPointError as error:
+        print(f"impasto: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

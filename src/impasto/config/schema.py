@@ -1,0 +1,178 @@
+"""The typed, validated, frozen configuration of a run (DESIGN §3).
+
+Every section is a pydantic model with ``extra="forbid"``: an unknown key is an error, never
+silently ignored. Names that select code (a schedule, an optimizer, a sampler) are validated
+against the registries that hold that code, so a typo fails at load time with the valid names.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+CONFIG_VERSION = 1
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    """Where the SDXL components come from: a built-in preset or a local diffusers folder."""
+
+    preset: str | None = None
+    path: str | None = None
+    init_seed: int = Field(0, ge=0, description="seed of the random init of preset models")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str | None) -> str | None:
+        from impasto.models.presets import PRESETS
+
+        if value is not None and value not in PRESETS:
+            raise ValueError(f"unknown preset {value!r}; valid: {', '.join(sorted(PRESETS))}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.preset is None) == (self.path is None):
+            raise ValueError(
+                "set exactly one of model.preset (e.g. tiny) or model.path (a diffusers folder)"
+            )
+        return self
+
+
+class ObjectiveConfig(Section):
+    """The diffusion objective. Issue #4 widens every axis; each name is a registry key."""
+
+    schedule: str = "scaled_linear"
+    num_train_timesteps: int = Field(1000, ge=2)
+    beta_start: float = Field(0.00085, gt=0, lt=1)
+    beta_end: float = Field(0.012, gt=0, lt=1)
+    prediction_type: str = "epsilon"
+    timestep_sampling: str = "uniform"
+    loss: str = "mse"
+
+    @model_validator(mode="after")
+    def _known_names(self) -> ObjectiveConfig:
+        from impasto.objectives import LOSSES, PREDICTION_TARGETS, SCHEDULES, TIMESTEP_SAMPLERS
+
+        for field, registry in (
+            ("schedule", SCHEDULES),
+            ("prediction_type", PREDICTION_TARGETS),
+            ("timestep_sampling", TIMESTEP_SAMPLERS),
+            ("loss", LOSSES),
+        ):
+            name = getattr(self, field)
+            if name not in registry:
+                raise ValueError(
+                    f"{field}: unknown name {name!r}; valid: {', '.join(sorted(registry))}"
+                )
+        if self.beta_end <= self.beta_start:
+            raise ValueError(
+                f"beta_end must be > beta_start, got {self.beta_end} <= {self.beta_start}"
+            )
+        return self
+
+
+class DataConfig(Section):
+    """An image folder with same-stem ``.txt`` captions (issue #6 adds more sources)."""
+
+    source: Literal["folder"] = "folder"
+    path: str
+    generate_demo: bool = Field(
+        False, description="write the built-in demo dataset to `path` if it does not exist"
+    )
+    demo_num_images: int = Field(16, ge=1)
+    resolution: int = Field(64, ge=8)
+    crop: Literal["center", "random"] = "center"
+    random_flip: bool = False
+    batch_size: int = Field(4, ge=1)
+    num_workers: int = Field(0, ge=0)
+    max_bad_fraction: float = Field(
+        0.05, ge=0, le=1, description="stop with an error if more images than this are unreadable"
+    )
+
+    @field_validator("resolution")
+    @classmethod
+    def _multiple_of_8(cls, value: int) -> int:
+        if value % 8:
+            raise ValueError(f"must be a multiple of 8 (the VAE downsamples by 8), got {value}")
+        return value
+
+
+class OptimConfig(Section):
+    name: str = "adamw"
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="null disables clipping")
+    lr_schedule: str = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of linear/cosine decay")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _known_names(self) -> OptimConfig:
+        from impasto.train.optim import LR_SCHEDULES, OPTIMIZERS
+
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"name: unknown optimizer {self.name!r}; valid: {sorted(OPTIMIZERS)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule: unknown schedule {self.lr_schedule!r}; valid: {sorted(LR_SCHEDULES)}"
+            )
+        return self
+
+
+class TrainConfig(Section):
+    output_dir: str = "runs/default"
+    seed: int = Field(0, ge=0)
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps")
+    max_epochs: int | None = Field(None, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    max_nonfinite_steps: int = Field(
+        5, ge=1, description="stop after this many non-finite steps in a row"
+    )
+
+    @model_validator(mode="after")
+    def _has_length(self) -> TrainConfig:
+        if self.max_steps is None and self.max_epochs is None:
+            raise ValueError("set train.max_steps or train.max_epochs")
+        return self
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(500, ge=1)
+    keep_last: int = Field(3, ge=1)
+    save_final: bool = True
+
+
+class LogConfig(Section):
+    every_steps: int = Field(1, ge=1)
+    jsonl: bool = True
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+class Config(Section):
+    """A whole run. Sections mirror the architecture (DESIGN §3, §4)."""
+
+    config_version: int = CONFIG_VERSION
+    model: ModelConfig
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    data: DataConfig
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)

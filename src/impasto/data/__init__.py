@@ -1,0 +1,116 @@
+"""Data: image folders, SDXL preprocessing, a resumable batch order, and the demo dataset.
+
+Entry point for the trainer: :func:`build_dataloader`. See :mod:`impasto.data.sampler` for how
+to record and restore the data position exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch.utils.data import DataLoader
+
+from impasto.data.dataset import Batch, Example, ImageCaptionDataset, collate_examples
+from impasto.data.demo import (
+    DEMO_BACKGROUNDS,
+    DEMO_COLORS,
+    DEMO_SHAPES,
+    DemoSpec,
+    demo_caption,
+    demo_spec,
+    render_demo_image,
+    write_demo_dataset,
+)
+from impasto.data.folder import IMAGE_EXTENSIONS, ImageRecord, read_caption, scan_image_folder
+from impasto.data.sampler import (
+    BatchPosition,
+    ResumableBatchSampler,
+    SampleKey,
+    epoch_order,
+)
+from impasto.data.seeding import derive_seed
+from impasto.data.transforms import CROP_MODES, pil_to_tensor, resize_and_crop
+
+__all__ = [
+    "CROP_MODES",
+    "DEMO_BACKGROUNDS",
+    "DEMO_COLORS",
+    "DEMO_SHAPES",
+    "IMAGE_EXTENSIONS",
+    "Batch",
+    "BatchPosition",
+    "DemoSpec",
+    "Example",
+    "ImageCaptionDataset",
+    "ImageRecord",
+    "ResumableBatchSampler",
+    "SampleKey",
+    "build_dataloader",
+    "collate_examples",
+    "demo_caption",
+    "demo_spec",
+    "derive_seed",
+    "epoch_order",
+    "pil_to_tensor",
+    "read_caption",
+    "render_demo_image",
+    "resize_and_crop",
+    "scan_image_folder",
+    "write_demo_dataset",
+]
+
+
+def build_dataloader(
+    records: Sequence[ImageRecord],
+    resolution: int,
+    crop: str,
+    random_flip: bool,
+    batch_size: int,
+    seed: int,
+    num_workers: int = 0,
+    start_position: BatchPosition | tuple[int, int] = (0, 0),
+    pin_memory: bool = False,
+) -> tuple[DataLoader, ResumableBatchSampler]:
+    """A shuffling, exactly resumable loader of :class:`Batch` (or ``None`` for all-bad batches).
+
+    Each ``iter(loader)`` yields the rest of the sampler's current epoch, starting at its
+    position; every batch is full (``drop_last``). The trainer calls ``sampler.advance()`` once
+    per yielded item and checkpoints ``sampler.state_dict()``; the loader's own prefetching is
+    never mistaken for consumption (see :mod:`impasto.data.sampler`).
+
+    Args:
+        records: the examples, e.g. ``scan_image_folder(root)``.
+        resolution: side of the square training images.
+        crop: "center" or "random".
+        random_flip: flip horizontally with probability 0.5.
+        batch_size: examples per batch (before dropping unreadable files).
+        seed: run seed for the order and the augmentations.
+        num_workers: loader worker processes; results are identical for any value.
+        start_position: ``(epoch, batch_in_epoch)`` of the first batch to load.
+        pin_memory: pin batches in host memory (for faster, asynchronous GPU copies).
+
+    Returns:
+        ``(loader, sampler)``.
+    """
+    if num_workers < 0:
+        raise ValueError(f"data: num_workers must be >= 0, got {num_workers}")
+    dataset = ImageCaptionDataset(records, resolution, crop, random_flip, seed)
+    sampler = ResumableBatchSampler(
+        num_samples=len(dataset),
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=True,
+        drop_last=True,
+        start_position=start_position,
+    )
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate_examples,
+        num_workers=num_workers,
+        # Workers hold no random state (every draw is derived from (seed, epoch, index)), so
+        # keeping them alive across epochs only saves start-up time.
+        persistent_workers=num_workers > 0,
+        pin_memory=pin_memory,
+    )
+    return loader, sampler

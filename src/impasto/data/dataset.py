@@ -1,0 +1,193 @@
+"""The image-caption dataset, its examples and batches.
+
+Every random choice for an example comes from a generator seeded by
+``derive_seed(seed, epoch, index)``, so an example is the same in any worker process, with any
+number of workers, and after a resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from impasto.data.folder import ImageRecord
+from impasto.data.sampler import BatchPosition
+from impasto.data.seeding import derive_seed
+from impasto.data.transforms import get_crop_offsets, resize_and_crop
+
+logger = logging.getLogger(__name__)
+
+# What a broken file can raise while PIL opens and decodes it: OSError covers
+# UnidentifiedImageError and "image file is truncated"; some decoders raise SyntaxError or
+# ValueError on corrupt headers, and DecompressionBombError on absurd sizes.
+IMAGE_LOAD_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    SyntaxError,
+    ValueError,
+    Image.DecompressionBombError,
+)
+
+
+@dataclass
+class Example:
+    """One preprocessed image and its SDXL micro-conditioning.
+
+    Attributes:
+        pixel_values: float32 ``[3, R, R]`` in ``[-1, 1]``.
+        caption: the caption text ("" for none).
+        original_size: ``(height, width)`` of the file before resizing.
+        crop_top_left: ``(top, left)`` of the crop in the resized image.
+        index: position of the record in the dataset's record list.
+        epoch: epoch the example was drawn for (it fixes the augmentation).
+        position: the batch the example belongs to, when the key carried it.
+    """
+
+    pixel_values: torch.Tensor
+    caption: str
+    original_size: tuple[int, int]
+    crop_top_left: tuple[int, int]
+    index: int
+    epoch: int = 0
+    position: BatchPosition | None = None
+
+
+class ImageCaptionDataset(Dataset):
+    """Images and captions from a list of :class:`ImageRecord`, preprocessed for SDXL.
+
+    Indexed with ``(epoch, index)`` or a :class:`~impasto.data.sampler.SampleKey`
+    ``(epoch, index, batch_in_epoch)``; returns an :class:`Example`, or ``None`` when the file
+    cannot be read as an image (a warning is logged), so one bad file never stops a run.
+
+    Args:
+        records: the examples, e.g. from :func:`~impasto.data.folder.scan_image_folder`.
+        resolution: side of the square training images.
+        crop: "center" or "random" (see :data:`~impasto.data.transforms.CROP_MODES`).
+        random_flip: flip horizontally with probability 0.5.
+        seed: run seed; example ``index`` of ``epoch`` uses ``derive_seed(seed, epoch, index)``.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[ImageRecord],
+        resolution: int,
+        crop: str,
+        random_flip: bool,
+        seed: int,
+    ) -> None:
+        if not records:
+            raise ValueError("data: the record list is empty; point the dataset at some images")
+        if resolution <= 0:
+            raise ValueError(f"data: resolution must be positive, got {resolution}")
+        get_crop_offsets(crop)  # fail on an unknown crop now, not inside a worker
+        self.records = list(records)
+        self.resolution = resolution
+        self.crop = crop
+        self.random_flip = random_flip
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, key: tuple[int, ...]) -> Example | None:
+        epoch, index = int(key[0]), int(key[1])
+        position = BatchPosition(epoch, int(key[2])) if len(key) > 2 else None
+        record = self.records[index]
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index))
+        try:
+            with Image.open(record.image_path) as image:
+                # Image.open only reads the header; load() decodes, so a truncated file fails here.
+                image.load()
+                pixel_values, original_size, crop_top_left = resize_and_crop(
+                    image, self.resolution, self.crop, self.random_flip, generator
+                )
+        except IMAGE_LOAD_ERRORS as error:
+            logger.warning("data: skipping unreadable image %s (%s)", record.image_path, error)
+            return None
+        return Example(
+            pixel_values=pixel_values,
+            caption=record.caption,
+            original_size=original_size,
+            crop_top_left=crop_top_left,
+            index=index,
+            epoch=epoch,
+            position=position,
+        )
+
+
+@dataclass
+class Batch:
+    """A collated batch of ``B`` good examples (bad files already dropped).
+
+    Attributes:
+        pixel_values: float32 ``[B, 3, R, R]`` in ``[-1, 1]``.
+        captions: ``B`` caption strings.
+        original_sizes: int64 ``[B, 2]`` of ``(height, width)`` before resizing.
+        crop_top_lefts: int64 ``[B, 2]`` of ``(top, left)``.
+        target_sizes: int64 ``[B, 2]`` of ``(R, R)``.
+        indices: int64 ``[B]`` dataset indices, for logging and debugging.
+        num_bad: examples of this batch dropped as unreadable.
+        position: where this batch sits in the run; equals ``sampler.position`` before the
+            trainer's ``advance()`` for it. ``None`` if the keys had no batch position.
+    """
+
+    pixel_values: torch.Tensor
+    captions: list[str]
+    original_sizes: torch.Tensor
+    crop_top_lefts: torch.Tensor
+    target_sizes: torch.Tensor
+    indices: torch.Tensor
+    num_bad: int = 0
+    position: BatchPosition | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of examples ``B``."""
+        return len(self.captions)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """A copy with every tensor moved to ``device``."""
+        moved = {
+            field.name: getattr(self, field.name).to(device, non_blocking=non_blocking)
+            for field in fields(self)
+            if isinstance(getattr(self, field.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
+    def pin_memory(self) -> Batch:
+        """A copy in pinned host memory; ``DataLoader(pin_memory=True)`` calls this."""
+        pinned = {
+            field.name: getattr(self, field.name).pin_memory()
+            for field in fields(self)
+            if isinstance(getattr(self, field.name), torch.Tensor)
+        }
+        return replace(self, **pinned)
+
+
+def collate_examples(examples: Sequence[Example | None]) -> Batch | None:
+    """Stack examples into a :class:`Batch`, dropping ``None`` (unreadable) ones.
+
+    Returns ``None`` when every example was bad; the trainer skips such a batch (but still
+    counts it as consumed, see :mod:`impasto.data.sampler`).
+    """
+    good = [example for example in examples if example is not None]
+    num_bad = len(examples) - len(good)
+    if not good:
+        return None
+    resolution = good[0].pixel_values.shape[-1]
+    positions = {example.position for example in good}
+    assert len(positions) == 1, f"examples from different batches collated together: {positions}"
+    return Batch(
+        pixel_values=torch.stack([example.pixel_values for example in good]),
+        captions=[example.caption for example in good],
+        original_sizes=torch.tensor([example.original_size for example in good], dtype=torch.long),
+        crop_top_lefts=torch.tensor([example.crop_top_left for example in good], dtype=torch.long),
+        target_sizes=torch.tensor([(resolution, resolution)] * len(good), dtype=torch.long),
+        indices=torch.tensor([example.index for example in good], dtype=torch.long),
+        num_bad=num_bad,
+        position=positions.pop(),
+    )

@@ -1,0 +1,235 @@
+"""An exactly resumable batch order.
+
+Each epoch's order is a pure function of ``(seed, epoch)``, so any position in the run can be
+rebuilt from two integers, :class:`BatchPosition` ``(epoch, batch_in_epoch)``.
+
+Why the trainer, not the iterator, owns the position: a ``DataLoader`` pulls index batches from
+its batch sampler ahead of time (``prefetch_factor * num_workers`` batches), so how far the
+sampler has been iterated says nothing about which batches were trained on. The sampler
+therefore never moves its own :attr:`ResumableBatchSampler.position` while iterating. The
+trainer calls :meth:`ResumableBatchSampler.advance` once for every item the loader yields (a
+``None`` from an all-bad batch included) and saves :meth:`~ResumableBatchSampler.state_dict`
+in its checkpoints. Each batch also records its own :class:`BatchPosition` (``Batch.position``),
+which equals ``sampler.position`` just before the matching ``advance()``.
+
+Typical loop::
+
+    sampler.load_state_dict(checkpoint["data"])       # or start at (0, 0)
+    while sampler.position.epoch < num_epochs:
+        for batch in loader:                          # the rest of the current epoch
+            sampler.advance()                         # this batch is consumed
+            if batch is None:                         # every image in it was unreadable
+                continue
+            train_step(batch)
+            save_checkpoint({"data": sampler.state_dict(), ...})
+
+After the last batch of an epoch ``advance()`` moves to ``(epoch + 1, 0)``, so the next
+``iter(loader)`` starts the next epoch; a run resumed mid-epoch yields the remaining batches of
+that epoch, then epochs identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch.utils.data import Sampler
+
+from impasto.data.seeding import derive_seed
+
+
+class SampleKey(NamedTuple):
+    """What the dataset is indexed with: which image, in which epoch, in which batch.
+
+    ``(epoch, index)`` fix the random augmentation; ``batch_in_epoch`` only travels along so
+    that the collated batch can report its :class:`BatchPosition`.
+    """
+
+    epoch: int
+    index: int
+    batch_in_epoch: int
+
+
+@dataclass(frozen=True, order=True)
+class BatchPosition:
+    """The place of one batch in the run: the ``batch_in_epoch``-th batch of ``epoch``."""
+
+    epoch: int
+    batch_in_epoch: int
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """Sample indices ``[num_samples]`` (int64) in the order epoch ``epoch`` visits them.
+
+    With ``shuffle`` the order is ``torch.randperm`` under a generator seeded with
+    ``derive_seed(seed, epoch)``; without it, ``0 .. num_samples - 1``.
+    """
+    if not shuffle:
+        return torch.arange(num_samples)
+    generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
+    return torch.randperm(num_samples, generator=generator)
+
+
+def num_batches(num_samples: int, batch_size: int, drop_last: bool) -> int:
+    """Batches per epoch: a short last batch is dropped or kept."""
+    if drop_last:
+        return num_samples // batch_size
+    return -(-num_samples // batch_size)
+
+
+class ResumableBatchSampler(Sampler[list[SampleKey]]):
+    """Batches of :class:`SampleKey` for one epoch, starting at :attr:`position`.
+
+    Iterating yields the batches of ``position.epoch`` from ``position.batch_in_epoch`` to the
+    end of that epoch; the position is read once when iteration starts and is never changed by
+    iterating (see the module docstring for why). Move it with :meth:`advance`,
+    :meth:`seek`, :meth:`set_epoch` or :meth:`load_state_dict`.
+
+    Args:
+        num_samples: dataset size.
+        batch_size: samples per batch.
+        seed: run seed; epoch ``e`` is ordered by ``derive_seed(seed, e)``.
+        shuffle: shuffle each epoch (otherwise index order).
+        drop_last: drop the short last batch of each epoch (keeps every batch full).
+        start_position: where the first iteration starts, ``(epoch, batch_in_epoch)``.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        start_position: BatchPosition | tuple[int, int] = (0, 0),
+    ) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"data: the dataset is empty (num_samples={num_samples}); add images")
+        if batch_size <= 0:
+            raise ValueError(f"data: batch_size must be positive, got {batch_size}")
+        if drop_last and batch_size > num_samples:
+            raise ValueError(
+                f"data: {num_samples} images is fewer than batch_size {batch_size}; "
+                "lower batch_size or add images"
+            )
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self._position = BatchPosition(0, 0)
+        self.seek(*start_position_tuple(start_position))
+
+    @property
+    def num_batches_per_epoch(self) -> int:
+        """Batches in every epoch."""
+        return num_batches(self.num_samples, self.batch_size, self.drop_last)
+
+    @property
+    def position(self) -> BatchPosition:
+        """The next batch the trainer has not consumed yet."""
+        return self._position
+
+    def seek(self, epoch: int, batch_in_epoch: int = 0) -> None:
+        """Make the next iteration start at batch ``batch_in_epoch`` of ``epoch``.
+
+        ``batch_in_epoch == num_batches_per_epoch`` (the end of an epoch) means ``(epoch + 1, 0)``.
+        """
+        if epoch < 0 or not 0 <= batch_in_epoch <= self.num_batches_per_epoch:
+            raise ValueError(
+                f"data: position ({epoch}, {batch_in_epoch}) is outside the run; "
+                f"epoch must be >= 0 and batch_in_epoch in 0..{self.num_batches_per_epoch}"
+            )
+        if batch_in_epoch == self.num_batches_per_epoch:
+            epoch, batch_in_epoch = epoch + 1, 0
+        self._position = BatchPosition(epoch, batch_in_epoch)
+
+    def at(self, epoch: int, batch_in_epoch: int = 0) -> ResumableBatchSampler:
+        """A copy of this sampler positioned at ``(epoch, batch_in_epoch)``."""
+        return ResumableBatchSampler(
+            self.num_samples,
+            self.batch_size,
+            self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            start_position=(epoch, batch_in_epoch),
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch, unless already inside it.
+
+        A sampler resumed at ``(2, 5)`` keeps batch 5 on ``set_epoch(2)``, so the usual
+        ``for epoch in range(start, end): sampler.set_epoch(epoch)`` loop resumes exactly.
+        """
+        if epoch != self._position.epoch:
+            self.seek(epoch, 0)
+
+    def advance(self, num_batches_consumed: int = 1) -> BatchPosition:
+        """Record that the trainer consumed the next batch(es); returns the new position.
+
+        Call it once per item the loader yields, ``None`` items included. Crossing the end of
+        an epoch moves to the next epoch.
+        """
+        if num_batches_consumed < 0:
+            raise ValueError(f"data: cannot advance by {num_batches_consumed} batches")
+        absolute = (
+            self._position.epoch * self.num_batches_per_epoch
+            + self._position.batch_in_epoch
+            + num_batches_consumed
+        )
+        self._position = BatchPosition(*divmod(absolute, self.num_batches_per_epoch))
+        return self._position
+
+    def state_dict(self) -> dict[str, int]:
+        """The position plus the settings that fix the order, all plain ints."""
+        return {
+            "epoch": self._position.epoch,
+            "batch_in_epoch": self._position.batch_in_epoch,
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": int(self.shuffle),
+            "drop_last": int(self.drop_last),
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a position saved by :meth:`state_dict`.
+
+        Raises ``ValueError`` if the saved order settings differ from this sampler's, because the
+        resumed batches would then not match the interrupted run.
+        """
+        current = self.state_dict()
+        for name in ("num_samples", "batch_size", "seed", "shuffle", "drop_last"):
+            if name in state and int(state[name]) != current[name]:
+                raise ValueError(
+                    f"data: checkpoint has {name}={int(state[name])} but this run has "
+                    f"{current[name]}; use the same data settings to resume, or start fresh"
+                )
+        self.seek(int(state["epoch"]), int(state["batch_in_epoch"]))
+
+    def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[list[SampleKey]]:
+        """Batches ``start ..`` of ``epoch``, independent of the current position."""
+        order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle).tolist()
+        for batch_in_epoch in range(start, self.num_batches_per_epoch):
+            first = batch_in_epoch * self.batch_size
+            indices = order[first : first + self.batch_size]
+            yield [SampleKey(epoch, index, batch_in_epoch) for index in indices]
+
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        # Read the position now, not lazily: the trainer calls advance() while the loader is
+        # still pulling batches from this iterator.
+        return self.epoch_batches(self._position.epoch, self._position.batch_in_epoch)
+
+    def __len__(self) -> int:
+        """Batches the next iteration will yield (the rest of the current epoch)."""
+        return self.num_batches_per_epoch - self._position.batch_in_epoch
+
+
+def start_position_tuple(position: BatchPosition | tuple[int, int]) -> tuple[int, int]:
+    """``(epoch, batch_in_epoch)`` from a :class:`BatchPosition` or a pair of ints."""
+    if isinstance(position, BatchPosition):
+        return position.epoch, position.batch_in_epoch
+    epoch, batch_in_epoch = position
+    return int(epoch), int(batch_in_epoch)

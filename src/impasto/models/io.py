@@ -1,0 +1,192 @@
+"""Save and load SDXL components as a diffusers ``StableDiffusionXLPipeline`` folder.
+
+The folder layout is the one of ``stabilityai/stable-diffusion-xl-base-1.0`` (model_index.json
+plus one subfolder per component, safetensors weights), so a checkpoint written here loads with
+``StableDiffusionXLPipeline.from_pretrained`` and every tool that reads diffusers folders.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib.resources import as_file, files
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import transformers
+from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+from packaging.version import Version
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+from impasto.models.components import SDXLComponents
+from impasto.models.tokenizers import (
+    CLIP_MAX_LENGTH,
+    TOKENIZER_2_PAD_TOKEN,
+    TOKENIZER_PAD_TOKEN,
+    load_clip_tokenizer,
+)
+
+if TYPE_CHECKING:  # importing the pipelines is slow and prints transformers notices
+    from diffusers import StableDiffusionXLPipeline
+
+EXPECTED_LAYOUT = (
+    "expected a diffusers SDXL folder (model_index.json, unet/, vae/, text_encoder/, "
+    "text_encoder_2/, tokenizer/, tokenizer_2/)"
+)
+DIFFUSERS_WEIGHTS = (
+    "diffusion_pytorch_model.safetensors",
+    "diffusion_pytorch_model.safetensors.index.json",
+    "diffusion_pytorch_model.bin",
+    "diffusion_pytorch_model.bin.index.json",
+)
+TRANSFORMERS_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+COMPONENT_WEIGHTS = {
+    "unet": DIFFUSERS_WEIGHTS,
+    "vae": DIFFUSERS_WEIGHTS,
+    "text_encoder": TRANSFORMERS_WEIGHTS,
+    "text_encoder_2": TRANSFORMERS_WEIGHTS,
+}
+# transformers renamed `torch_dtype` to `dtype` in 4.56 and warns on the old name from 5.0.
+_TRANSFORMERS_DTYPE_KWARG = (
+    "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+)
+
+
+def sdxl_scheduler() -> EulerDiscreteScheduler:
+    """The noise schedule shipped with SDXL 1.0 base (``scheduler/scheduler_config.json``)."""
+    return EulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="epsilon",
+        timestep_spacing="leading",
+        steps_offset=1,
+        interpolation_type="linear",
+        use_karras_sigmas=False,
+    )
+
+
+def to_pipeline(components: SDXLComponents) -> StableDiffusionXLPipeline:
+    """Wrap ``components`` (shared, not copied) in a diffusers pipeline with SDXL's scheduler."""
+    from diffusers import StableDiffusionXLPipeline
+
+    return StableDiffusionXLPipeline(
+        vae=components.vae,
+        text_encoder=components.text_encoder,
+        text_encoder_2=components.text_encoder_2,
+        tokenizer=components.tokenizer,
+        tokenizer_2=components.tokenizer_2,
+        unet=components.unet,
+        scheduler=sdxl_scheduler(),
+        force_zeros_for_empty_prompt=True,  # as SDXL 1.0 base
+    )
+
+
+def save_diffusers(components: SDXLComponents, path: str | Path) -> None:
+    """Write ``components`` to ``path`` as a diffusers SDXL folder with safetensors weights."""
+    path = Path(path)
+    to_pipeline(components).save_pretrained(path, safe_serialization=True)
+    # transformers 5 saves only tokenizer.json; 4.x's CLIPTokenizer needs vocab.json + merges.txt,
+    # which the SDXL release also ships, so add them for portability.
+    with as_file(files("impasto") / "assets" / "clip") as asset_dir:
+        for subfolder in ("tokenizer", "tokenizer_2"):
+            for name in ("vocab.json", "merges.txt"):
+                if not (path / subfolder / name).exists():
+                    shutil.copyfile(Path(asset_dir) / name, path / subfolder / name)
+
+
+def _check_component(root: Path, subfolder: str, weight_names: tuple[str, ...]) -> None:
+    """Raise a one-line ``ValueError`` if ``root/subfolder`` lacks its config or weights."""
+    folder = root / subfolder
+    if not folder.is_dir():
+        raise ValueError(f"model.path {root}: no {subfolder}/ folder; {EXPECTED_LAYOUT}")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model.path {root}: no {subfolder}/config.json; {EXPECTED_LAYOUT}")
+    try:
+        json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"model.path {root}: {subfolder}/config.json is not valid JSON ({err}); "
+            "re-save or re-copy it"
+        ) from err
+    if not any((folder / name).is_file() for name in weight_names):
+        raise ValueError(
+            f"model.path {root}: no weights in {subfolder}/ (expected {weight_names[0]}); "
+            "re-save the model with save_pretrained"
+        )
+
+
+def _weights_file(folder: Path, weight_names: tuple[str, ...]) -> Path:
+    return next(folder / name for name in weight_names if (folder / name).is_file())
+
+
+def _first_line(err: BaseException) -> str:
+    """First line of the innermost cause: diffusers re-raises safetensors errors vaguely."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def _load_component(model_class: Any, root: Path, subfolder: str, **kwargs: Any) -> Any:
+    """``model_class.from_pretrained`` on a checked local subfolder; errors become one line."""
+    try:
+        return model_class.from_pretrained(
+            str(root), subfolder=subfolder, local_files_only=True, **kwargs
+        )
+    except Exception as err:  # corrupt or truncated files: safetensors, torch, json errors
+        weights = _weights_file(root / subfolder, COMPONENT_WEIGHTS[subfolder])
+        raise ValueError(
+            f"model.path {root}: cannot load {weights} ({_first_line(err)}); if the file is "
+            "corrupt or truncated, re-save or re-copy it"
+        ) from err
+
+
+def _load_tokenizer(root: Path, subfolder: str, fallback_pad_token: str) -> CLIPTokenizer:
+    """The folder's tokenizer if it has one, else the bundled CLIP tokenizer with that pad."""
+    if not (root / subfolder).is_dir():
+        return load_clip_tokenizer(fallback_pad_token)
+    try:
+        tokenizer = CLIPTokenizer.from_pretrained(
+            str(root), subfolder=subfolder, local_files_only=True
+        )
+    except Exception as err:
+        raise ValueError(
+            f"model.path {root}: cannot load {subfolder}/ ({_first_line(err)}); "
+            "delete that folder to use the bundled CLIP tokenizer"
+        ) from err
+    if tokenizer.model_max_length > CLIP_MAX_LENGTH:  # configs without model_max_length
+        tokenizer.model_max_length = CLIP_MAX_LENGTH
+    return tokenizer
+
+
+def load_diffusers(path: str | Path) -> SDXLComponents:
+    """Load the SDXL components of the diffusers folder ``path`` in float32, offline.
+
+    Missing ``tokenizer/`` or ``tokenizer_2/`` folders fall back to the bundled CLIP tokenizers.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"model.path {root}: no such directory; {EXPECTED_LAYOUT}")
+    if not (root / "model_index.json").is_file():
+        raise ValueError(f"model.path {root}: no model_index.json; {EXPECTED_LAYOUT}")
+    for subfolder, weight_names in COMPONENT_WEIGHTS.items():
+        _check_component(root, subfolder, weight_names)
+    fp32 = {"torch_dtype": torch.float32}
+    fp32_transformers = {_TRANSFORMERS_DTYPE_KWARG: torch.float32}
+    return SDXLComponents(
+        unet=_load_component(UNet2DConditionModel, root, "unet", **fp32),
+        vae=_load_component(AutoencoderKL, root, "vae", **fp32),
+        text_encoder=_load_component(CLIPTextModel, root, "text_encoder", **fp32_transformers),
+        text_encoder_2=_load_component(
+            CLIPTextModelWithProjection, root, "text_encoder_2", **fp32_transformers
+        ),
+        tokenizer=_load_tokenizer(root, "tokenizer", TOKENIZER_PAD_TOKEN),
+        tokenizer_2=_load_tokenizer(root, "tokenizer_2", TOKENIZER_2_PAD_TOKEN),
+    )

@@ -1,0 +1,122 @@
+"""Model presets: named builders of randomly initialised SDXL-architecture components.
+
+``tiny`` follows the recipe of diffusers' own SDXL pipeline tests
+(``tests/pipelines/stable_diffusion_xl/test_stable_diffusion_xl.py::get_dummy_components``):
+the real SDXL wiring (two CLIP encoders, ``text_time`` added conditioning, linear-projection
+transformers, an 8x-downsampling VAE) at widths that run on a CPU in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+from impasto.models.components import SDXLComponents
+from impasto.models.tokenizers import load_clip_tokenizers
+
+CLIP_VOCAB_SIZE = 49408
+CLIP_BOS_TOKEN_ID = 49406  # "<|startoftext|>"
+CLIP_EOS_TOKEN_ID = 49407  # "<|endoftext|>", also tokenizer 1's pad token
+TOKENIZER_2_PAD_TOKEN_ID = 0  # "!"
+SDXL_VAE_SCALING_FACTOR = 0.13025
+NUM_TIME_IDS = 6  # (orig_h, orig_w, crop_top, crop_left, target_h, target_w)
+
+TINY_TEXT_HIDDEN_SIZE = 32
+TINY_PROJECTION_DIM = 32
+TINY_ADDITION_TIME_EMBED_DIM = 8
+
+
+def _tiny_text_config(num_hidden_layers: int, pad_token_id: int, hidden_act: str) -> CLIPTextConfig:
+    return CLIPTextConfig(
+        vocab_size=CLIP_VOCAB_SIZE,
+        hidden_size=TINY_TEXT_HIDDEN_SIZE,
+        intermediate_size=4 * TINY_TEXT_HIDDEN_SIZE,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        hidden_act=hidden_act,
+        projection_dim=TINY_PROJECTION_DIM,
+        bos_token_id=CLIP_BOS_TOKEN_ID,
+        eos_token_id=CLIP_EOS_TOKEN_ID,
+        pad_token_id=pad_token_id,
+    )
+
+
+def _tiny_unet() -> UNet2DConditionModel:
+    return UNet2DConditionModel(
+        sample_size=8,  # latents of 64x64 images
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        transformer_layers_per_block=(1, 2),
+        attention_head_dim=(
+            2,
+            4,
+        ),  # diffusers' name for the number of heads (as SDXL's (5, 10, 20))
+        norm_num_groups=8,
+        use_linear_projection=True,
+        cross_attention_dim=2 * TINY_TEXT_HIDDEN_SIZE,  # D1 + D2
+        addition_embed_type="text_time",
+        addition_time_embed_dim=TINY_ADDITION_TIME_EMBED_DIM,
+        projection_class_embeddings_input_dim=NUM_TIME_IDS * TINY_ADDITION_TIME_EMBED_DIM
+        + TINY_PROJECTION_DIM,
+    )
+
+
+def _tiny_vae() -> AutoencoderKL:
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,  # 3 downsamples: factor 8 like SDXL
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(16, 32, 32, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        latent_channels=4,
+        sample_size=64,
+        scaling_factor=SDXL_VAE_SCALING_FACTOR,
+    )
+
+
+def build_tiny(seed: int = 0) -> SDXLComponents:
+    """Tiny random SDXL (5.5M parameters, 22 MB in fp32) for tests and CPU smoke runs.
+
+    Initialisation depends only on ``seed``; the global torch RNG is left as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = _tiny_unet()
+        vae = _tiny_vae()
+        text_encoder = CLIPTextModel(
+            _tiny_text_config(2, pad_token_id=CLIP_EOS_TOKEN_ID, hidden_act="quick_gelu")
+        )
+        text_encoder_2 = CLIPTextModelWithProjection(
+            _tiny_text_config(3, pad_token_id=TOKENIZER_2_PAD_TOKEN_ID, hidden_act="gelu")
+        )
+    tokenizer, tokenizer_2 = load_clip_tokenizers()
+    for module in (unet, vae, text_encoder, text_encoder_2):
+        module.eval()
+    return SDXLComponents(
+        unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2,
+    )
+
+
+PRESETS: dict[str, Callable[[int], SDXLComponents]] = {"tiny": build_tiny}
+
+
+def build_preset(name: str, seed: int = 0) -> SDXLComponents:
+    """Build the preset called ``name`` with initialisation seed ``seed``."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {sorted(PRESETS)}")
+    return PRESETS[name](seed)

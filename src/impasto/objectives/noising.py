@@ -1,0 +1,63 @@
+"""Forward noising, prediction targets, timestep samplers and per-sample losses.
+
+All functions are pure: tensors in, tensors out, randomness only through an explicit
+``torch.Generator``. Shapes: latents x0 and noise ε are [B, C, H, W]; timesteps are [B].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _per_sample(values: Tensor, like: Tensor) -> Tensor:
+    """Gather-free broadcast of a [B] vector against a [B, ...] tensor."""
+    return values.reshape(-1, *([1] * (like.ndim - 1))).to(like.dtype)
+
+
+def add_noise(x0: Tensor, noise: Tensor, timesteps: Tensor, alphas_cumprod: Tensor) -> Tensor:
+    """x_t = sqrt(ᾱ_t)·x0 + sqrt(1 − ᾱ_t)·ε (Ho et al. 2020, eq. 4)."""
+    alpha_bar = alphas_cumprod.to(x0.device)[timesteps]
+    return _per_sample(alpha_bar.sqrt(), x0) * x0 + _per_sample((1 - alpha_bar).sqrt(), x0) * noise
+
+
+def epsilon_target(x0: Tensor, noise: Tensor, timesteps: Tensor, alphas_cumprod: Tensor) -> Tensor:
+    """ε-prediction (SDXL base): the model predicts the added noise."""
+    return noise
+
+
+# name → target(x0, noise, timesteps, alphas_cumprod); issue #4 adds v_prediction, sample, flow.
+PREDICTION_TARGETS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
+    "epsilon": epsilon_target,
+}
+
+
+def uniform_timesteps(
+    batch_size: int, num_train_timesteps: int, generator: torch.Generator, device: torch.device
+) -> Tensor:
+    """t ~ U{0, …, T−1}, the DDPM / SDXL training distribution. Returns int64 [B]."""
+    timesteps = torch.randint(
+        0, num_train_timesteps, (batch_size,), generator=generator, device=generator.device
+    )
+    return timesteps.to(device)
+
+
+# name → sampler(batch_size, num_train_timesteps, generator, device).
+TIMESTEP_SAMPLERS: dict[str, Callable[[int, int, torch.Generator, torch.device], Tensor]] = {
+    "uniform": uniform_timesteps,
+}
+
+
+def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
+    """Per-sample mean squared error over all non-batch dims, in fp32. Returns [B]."""
+    error = F.mse_loss(prediction.float(), target.float(), reduction="none")
+    return error.flatten(1).mean(dim=1)
+
+
+# name → per-sample loss(prediction, target) -> [B].
+LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "mse": mse_loss,
+}

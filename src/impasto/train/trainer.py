@@ -1,0 +1,247 @@
+"""The training loop: load or resume, then step, log, checkpoint (torchtitan-style)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from impasto.config import Config
+from impasto.data import Batch, ImageRecord, build_dataloader, derive_seed, scan_image_folder
+from impasto.data.demo import write_demo_dataset
+from impasto.logging import MetricsLogger
+from impasto.models import SDXLComponents, load_components
+from impasto.train.optim import OPTIMIZERS, lr_multiplier, set_lr
+from impasto.train.precision import autocast_factory, resolve_device, resolve_precision
+from impasto.train.signals import StopRequest
+from impasto.train.state import (
+    TrainState,
+    prepare_run_dir,
+    restore_train_checkpoint,
+    save_train_checkpoint,
+)
+from impasto.train.step import Objective, training_step
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    state: TrainState
+    last_checkpoint: Path | None
+    interrupted: bool
+
+
+def train(config: Config, resume: bool = True) -> TrainResult:
+    """Train (or continue training) the run described by ``config``."""
+    started = time.perf_counter()
+    run_dir = prepare_run_dir(config, resume)
+    device = resolve_device(config.train.device)
+    autocast = autocast_factory(device, resolve_precision(config.train.mixed_precision, device))
+    torch.manual_seed(config.train.seed)
+
+    records = load_records(config)
+    models = prepare_models(config, device)
+    trainable = {"unet": models.unet}
+    params = [p for p in models.unet.parameters() if p.requires_grad]
+    optimizer = OPTIMIZERS[config.optim.name](params, config.optim)
+    objective = Objective.from_config(config.objective)
+
+    state, last_checkpoint = TrainState(), None
+    restored = restore_train_checkpoint(run_dir, config, trainable, optimizer) if resume else None
+    if restored is not None:
+        state, last_checkpoint = restored
+        print(f"impasto: resumed from {last_checkpoint} (step {state.step})")
+
+    total_steps = count_total_steps(config, len(records))
+    stream = micro_batches(config, records, (state.epoch, state.batch_in_epoch))
+    metrics = MetricsLogger(run_dir, config.log.jsonl, config.log.tensorboard, state.step)
+    progress = tqdm(
+        total=total_steps,
+        initial=state.step,
+        unit="step",
+        disable=not config.log.progress_bar,
+        dynamic_ncols=True,
+    )
+    interrupted = False
+    with StopRequest() as stop:
+        while state.step < total_steps and not interrupted:
+            step_start = time.perf_counter()
+            lr = set_lr(
+                optimizer,
+                lr_multiplier(
+                    state.step,
+                    config.optim.lr_schedule,
+                    config.optim.warmup_steps,
+                    total_steps,
+                    config.optim.min_lr_ratio,
+                ),
+            )
+            loss, num_samples = accumulate_gradients(
+                config, models, objective, stream, state, autocast
+            )
+            grad_norm = apply_gradients(config, params, optimizer, state)
+            state.step += 1
+            state.samples_seen += num_samples
+            progress.update(1)
+            if state.step % config.log.every_steps == 0 or state.step == total_steps:
+                step_time = time.perf_counter() - step_start
+                values = {
+                    "loss": loss.item(),
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "step_time": step_time,
+                    "samples_per_s": num_samples / step_time,
+                    "epoch": state.epoch,
+                    "images_bad": state.images_bad,
+                }
+                metrics.log(state.step, values)
+                progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{lr:.2e}")
+            interrupted = stop.requested
+            final = state.step == total_steps and config.checkpoint.save_final
+            if state.step % config.checkpoint.every_steps == 0 or final or interrupted:
+                last_checkpoint = save_train_checkpoint(
+                    run_dir, config, state, trainable, optimizer
+                )
+    progress.close()
+    metrics.close()
+    report(state, time.perf_counter() - started, interrupted, last_checkpoint)
+    return TrainResult(run_dir, state, last_checkpoint, interrupted)
+
+
+def load_records(config: Config) -> list[ImageRecord]:
+    path = Path(config.data.path)
+    if config.data.generate_demo and not path.exists():
+        count = write_demo_dataset(
+            path, config.data.demo_num_images, config.data.resolution, seed=config.train.seed
+        )
+        print(f"impasto: wrote {count} demo images to {path}")
+    return scan_image_folder(path)
+
+
+def prepare_models(config: Config, device: torch.device) -> SDXLComponents:
+    """Build or load the components; only the UNet trains (LoRA and TE training: issue #5)."""
+    models = load_components(config.model.preset, config.model.path, seed=config.model.init_seed)
+    for frozen in (models.vae, models.text_encoder, models.text_encoder_2):
+        frozen.requires_grad_(False).eval()
+    models.unet.train()
+    return models.to(device)
+
+
+def count_total_steps(config: Config, num_images: int) -> int:
+    batches_per_epoch = num_images // config.data.batch_size
+    if batches_per_epoch == 0:
+        raise ValueError(
+            f"data: {num_images} images is fewer than data.batch_size {config.data.batch_size}; "
+            "add images or lower the batch size"
+        )
+    total = config.train.max_steps or math.inf
+    if config.train.max_epochs is not None:
+        total = min(
+            total, config.train.max_epochs * batches_per_epoch // config.train.grad_accum_steps
+        )
+    if total < 1:
+        raise ValueError("train.max_epochs: the run would make no optimizer step; raise it")
+    return int(total)
+
+
+def micro_batches(
+    config: Config, records: list[ImageRecord], start: tuple[int, int]
+) -> Iterator[tuple[Batch | None, tuple[int, int]]]:
+    """Batches in the exact resumable order, each with the position *after* consuming it."""
+    epoch, first = start
+    while True:
+        loader, sampler = build_dataloader(
+            records,
+            config.data.resolution,
+            config.data.crop,
+            config.data.random_flip,
+            config.data.batch_size,
+            config.train.seed,
+            config.data.num_workers,
+            (epoch, first),
+        )
+        for offset, batch in enumerate(loader):
+            after = first + offset + 1
+            yield batch, (epoch, after) if after < sampler.num_batches_per_epoch else (epoch + 1, 0)
+        epoch, first = epoch + 1, 0
+
+
+def accumulate_gradients(
+    config: Config,
+    models: SDXLComponents,
+    objective: Objective,
+    stream: Iterator[tuple[Batch | None, tuple[int, int]]],
+    state: TrainState,
+    autocast,
+) -> tuple[torch.Tensor, int]:
+    """Forward and backward ``grad_accum_steps`` micro-batches; returns (mean loss, samples)."""
+    accum = config.train.grad_accum_steps
+    total_loss, num_samples = torch.zeros(()), 0
+    for micro in range(accum):
+        batch, (state.epoch, state.batch_in_epoch) = next(stream)
+        state.images_attempted += config.data.batch_size
+        state.images_bad += batch.num_bad if batch is not None else config.data.batch_size
+        check_bad_fraction(config, state)
+        if batch is None:
+            continue
+        generator = torch.Generator().manual_seed(
+            derive_seed(config.train.seed, 0, state.step, micro)
+        )
+        out = training_step(models, objective, batch, generator, autocast)
+        (out.loss / accum).backward()
+        total_loss += out.loss.detach().cpu()
+        num_samples += len(batch.captions)
+    return total_loss / accum, num_samples
+
+
+def apply_gradients(
+    config: Config,
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+) -> float:
+    """Clip, then step unless the gradient is non-finite (DESIGN §6). Returns the grad norm."""
+    max_norm = config.optim.max_grad_norm or math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    if math.isfinite(grad_norm):
+        optimizer.step()
+        state.nonfinite_in_row = 0
+    else:
+        state.nonfinite_in_row += 1
+        state.steps_skipped += 1
+        print(f"impasto: step {state.step + 1}: non-finite gradient, step skipped")
+        if state.nonfinite_in_row >= config.train.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"{state.nonfinite_in_row} non-finite steps in a row; stopping with the last "
+                "checkpoint intact (lower optim.lr or check the data)"
+            )
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def check_bad_fraction(config: Config, state: TrainState) -> None:
+    fraction = state.images_bad / max(1, state.images_attempted)
+    if (
+        state.images_bad
+        and fraction > config.data.max_bad_fraction
+        and state.images_attempted >= 20
+    ):
+        raise ValueError(
+            f"data: {state.images_bad} of {state.images_attempted} images were unreadable "
+            f"({fraction:.0%} > data.max_bad_fraction {config.data.max_bad_fraction}); "
+            "remove or fix the broken files"
+        )
+
+
+def report(state: TrainState, elapsed: float, interrupted: bool, checkpoint: Path | None) -> None:
+    how = "stopped on request" if interrupted else "finished"
+    print(f"impasto: {how} at step {state.step} in {elapsed:.1f} s; checkpoint: {checkpoint}")
+    if state.images_bad:
+        print(f"impasto: skipped {state.images_bad} unreadable images")
+    if state.steps_skipped:
+        print(f"impasto: skipped {state.steps_skipped} non-finite steps")

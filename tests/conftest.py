@@ -1,0 +1,32 @@
+"""Shared fixtures: a small generated image folder and a tiny-run config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def demo_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 generated demo images (64×64) with captions, shared by the whole session."""
+    from impasto.data.demo import write_demo_dataset
+
+    folder = tmp_path_factory.mktemp("data") / "demo"
+    write_demo_dataset(folder, num_images=16, size=64, seed=0)
+    return folder
+
+
+@pytest.fixture
+def tiny_raw(demo_folder: Path, tmp_path: Path) -> dict[str, Any]:
+    """The raw mapping of a tiny CPU run; tests edit it, then call build_config."""
+    return {
+        "config_version": 1,
+        "model": {"preset": "tiny"},
+        "data": {"path": str(demo_folder), "resolution": 64, "batch_size": 4},
+        "optim": {"lr": 1e-3, "weight_decay": 0.0},
+        "train": {"output_dir": str(tmp_path / "run"), "seed": 0, "max_steps": 10},
+        "checkpoint": {"every_steps": 5, "keep_last": 3},
+        "log": {"every_steps": 1, "tensorboard": False, "progress_bar": False},
+    }

@@ -1,0 +1,142 @@
+"""Config: validation messages, overrides, exit codes, hashing."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from impasto.cli import main
+from impasto.config import ConfigError, build_config, config_hash, load_config
+
+# (dotted key, value or a callable that edits the raw mapping, fragment the message must contain)
+MALFORMED = [
+    ("optim.lrr", 1e-4, "optim.lrr: unknown key; did you mean 'lr'?"),
+    ("optim.lr", -1, "optim.lr: input should be greater than 0, got -1"),
+    ("optim.lr", "fast", "optim.lr: "),
+    ("optim.name", "sgdx", "optim: name: unknown optimizer 'sgdx'"),
+    ("optim.lr_schedule", "cosin", "optim: lr_schedule: unknown schedule 'cosin'"),
+    ("optim.betas", [0.9, 1.5], "optim.betas: each beta must be in [0, 1)"),
+    ("train.max_steps", 0, "train.max_steps: input should be greater than or equal to 1"),
+    ("train.max_steps", 2.5, "train.max_steps: "),
+    (
+        "train.mixed_precision",
+        "fp8",
+        "train.mixed_precision: input should be 'auto', 'bf16' or 'fp32'",
+    ),
+    ("data.resolution", 100, "data.resolution: must be a multiple of 8"),
+    ("data.crop", "top", "data.crop: input should be 'center' or 'random'"),
+    ("data.batch_size", "four", "data.batch_size: "),
+    ("model.preset", "huge", "model.preset: unknown preset 'huge'; valid: tiny"),
+    ("objective.prediction_type", "eps", "objective: prediction_type: unknown name 'eps'"),
+    ("objective.beta_end", 0.0001, "objective: beta_end must be > beta_start"),
+    ("checkpoint.keep_last", 0, "checkpoint.keep_last: "),
+    ("log.every", 5, "log.every: unknown key; did you mean 'every_steps'?"),
+    ("trian.max_steps", 5, "trian: unknown key; did you mean 'train'?"),
+    ("config_version", 9, "config_version: 9 is newer than this impasto supports"),
+]
+
+
+def _with(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    raw = copy.deepcopy(raw)
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return raw
+
+
+@pytest.mark.parametrize("dotted,value,fragment", MALFORMED)
+def test_malformed_config_exits_2_with_one_line_naming_the_key(
+    tiny_raw, tmp_path, capsys, dotted, value, fragment
+):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_with(tiny_raw, dotted, value)))
+    code = main(["train", str(path), "--print-config"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1, err
+    assert fragment in err, err
+
+
+def test_missing_required_sections_and_model_source(tiny_raw):
+    raw = copy.deepcopy(tiny_raw)
+    del raw["data"]
+    with pytest.raises(ConfigError, match=r"^data: required key is missing"):
+        build_config(raw)
+    with pytest.raises(ConfigError, match="set exactly one of model.preset"):
+        build_config(_with(tiny_raw, "model.path", "/some/folder"))
+    raw = copy.deepcopy(tiny_raw)
+    del raw["train"]["max_steps"]
+    with pytest.raises(ConfigError, match="set train.max_steps or train.max_epochs"):
+        build_config(raw)
+
+
+def test_yaml_syntax_error_and_missing_file(tmp_path, capsys):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  preset: tiny\n data: [\n")
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "line 3" in err
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_overrides_are_typed_and_validated(tiny_raw, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_raw))
+    config = load_config(path, ["optim.lr=2e-4", "train.max_steps=7", "data.random_flip=true"])
+    assert config.optim.lr == pytest.approx(2e-4)
+    assert config.train.max_steps == 7 and isinstance(config.train.max_steps, int)
+    assert config.data.random_flip is True
+    with pytest.raises(ConfigError, match=r"^optim.lr: input should be greater than 0"):
+        load_config(path, ["optim.lr=0"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(path, ["optim.lr"])
+    with pytest.raises(ConfigError, match="optim.lr is a value, not a section"):
+        load_config(path, ["optim.lr.x=1"])
+
+
+def test_config_is_frozen_and_hash_tracks_content(tiny_raw):
+    config = build_config(tiny_raw)
+    with pytest.raises(ValidationError):
+        config.optim.lr = 1.0  # type: ignore[misc]
+    assert config_hash(config) == config_hash(build_config(copy.deepcopy(tiny_raw)))
+    assert config_hash(config) != config_hash(build_config(_with(tiny_raw, "optim.lr", 5e-4)))
+    assert len(config_hash(config)) == 16
+
+
+def test_print_config_round_trips(tiny_raw, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_raw))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "impasto",
+            "train",
+            str(path),
+            "--print-config",
+            "--set",
+            "optim.lr=3e-4",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    printed = yaml.safe_load(out)
+    assert printed["optim"]["lr"] == pytest.approx(3e-4)
+    assert printed["config_version"] == 1
+    assert build_config(printed) == load_config(path, ["optim.lr=3e-4"])
+
+
+def test_demo_config_is_valid():
+    config = load_config(Path(__file__).parents[1] / "configs" / "demo.yaml")
+    assert config.model.preset == "tiny" and config.data.generate_demo
