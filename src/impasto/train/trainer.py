@@ -27,6 +27,8 @@ from impasto.train.state import (
 )
 from impasto.train.step import Objective, training_step
 
+MicroBatches = Iterator[tuple[Batch | None, tuple[int, int]]]
+
 
 @dataclass(frozen=True)
 class TrainResult:
@@ -38,79 +40,156 @@ class TrainResult:
 
 def train(config: Config, resume: bool = True) -> TrainResult:
     """Train (or continue training) the run described by ``config``."""
-    started = time.perf_counter()
-    run_dir = prepare_run_dir(config, resume)
-    device = resolve_device(config.train.device)
-    autocast = autocast_factory(device, resolve_precision(config.train.mixed_precision, device))
-    torch.manual_seed(config.train.seed)
+    return Trainer(config, resume).run()
 
-    records = load_records(config)
-    models = prepare_models(config, device)
-    trainable = {"unet": models.unet}
-    params = [p for p in models.unet.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[config.optim.name](params, config.optim)
-    objective = Objective.from_config(config.objective)
 
-    state, last_checkpoint = TrainState(), None
-    restored = restore_train_checkpoint(run_dir, config, trainable, optimizer) if resume else None
-    if restored is not None:
-        state, last_checkpoint = restored
-        print(f"impasto: resumed from {last_checkpoint} (step {state.step})")
+class Trainer:
+    """One run: built from a config, resumed from its newest checkpoint, then stepped."""
 
-    total_steps = count_total_steps(config, len(records))
-    stream = micro_batches(config, records, (state.epoch, state.batch_in_epoch))
-    metrics = MetricsLogger(run_dir, config.log.jsonl, config.log.tensorboard, state.step)
-    progress = tqdm(
-        total=total_steps,
-        initial=state.step,
-        unit="step",
-        disable=not config.log.progress_bar,
-        dynamic_ncols=True,
-    )
-    interrupted = False
-    with StopRequest() as stop:
-        while state.step < total_steps and not interrupted:
-            step_start = time.perf_counter()
-            lr = set_lr(
-                optimizer,
-                lr_multiplier(
-                    state.step,
-                    config.optim.lr_schedule,
-                    config.optim.warmup_steps,
-                    total_steps,
-                    config.optim.min_lr_ratio,
-                ),
+    def __init__(self, config: Config, resume: bool) -> None:
+        self.started = time.perf_counter()
+        self.config = config
+        self.run_dir = prepare_run_dir(config, resume)
+        device = resolve_device(config.train.device)
+        self.autocast = autocast_factory(
+            device, resolve_precision(config.train.mixed_precision, device)
+        )
+        torch.manual_seed(config.train.seed)
+
+        self.records = load_records(config)
+        self.total_steps = count_total_steps(config, len(self.records))
+        self.models = prepare_models(config, device)
+        self.trainable = {"unet": self.models.unet}
+        self.params = [p for p in self.models.unet.parameters() if p.requires_grad]
+        self.optimizer = OPTIMIZERS[config.optim.name](self.params, config.optim)
+        self.objective = Objective.from_config(config.objective)
+
+        self.state, self.last_checkpoint = TrainState(), None
+        restored = None
+        if resume:
+            restored = restore_train_checkpoint(
+                self.run_dir, config, self.trainable, self.optimizer
             )
-            loss, num_samples = accumulate_gradients(
-                config, models, objective, stream, state, autocast
-            )
-            grad_norm = apply_gradients(config, params, optimizer, state)
-            state.step += 1
-            state.samples_seen += num_samples
-            progress.update(1)
-            if state.step % config.log.every_steps == 0 or state.step == total_steps:
-                step_time = time.perf_counter() - step_start
-                values = {
-                    "loss": loss.item(),
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "step_time": step_time,
-                    "samples_per_s": num_samples / step_time,
-                    "epoch": state.epoch,
-                    "images_bad": state.images_bad,
-                }
-                metrics.log(state.step, values)
-                progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{lr:.2e}")
-            interrupted = stop.requested
-            final = state.step == total_steps and config.checkpoint.save_final
-            if state.step % config.checkpoint.every_steps == 0 or final or interrupted:
-                last_checkpoint = save_train_checkpoint(
-                    run_dir, config, state, trainable, optimizer
+        if restored is not None:
+            self.state, self.last_checkpoint = restored
+            print(f"impasto: resumed from {self.last_checkpoint} (step {self.state.step})")
+        self.stream = micro_batches(
+            config, self.records, (self.state.epoch, self.state.batch_in_epoch)
+        )
+
+    def run(self) -> TrainResult:
+        config, state = self.config, self.state
+        metrics = MetricsLogger(self.run_dir, config.log.jsonl, config.log.tensorboard, state.step)
+        progress = tqdm(
+            total=self.total_steps,
+            initial=state.step,
+            unit="step",
+            disable=not config.log.progress_bar,
+            dynamic_ncols=True,
+        )
+        interrupted = False
+        with StopRequest() as stop:
+            while state.step < self.total_steps and not interrupted:
+                values = self.step()
+                progress.update(1)
+                if values is not None:
+                    metrics.log(state.step, values)
+                    progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
+                interrupted = stop.requested
+                if self.should_save() or interrupted:
+                    self.last_checkpoint = save_train_checkpoint(
+                        self.run_dir, config, state, self.trainable, self.optimizer
+                    )
+        progress.close()
+        metrics.close()
+        report(state, time.perf_counter() - self.started, interrupted, self.last_checkpoint)
+        return TrainResult(self.run_dir, state, self.last_checkpoint, interrupted)
+
+    def step(self) -> dict[str, float] | None:
+        """One optimizer step; returns the metrics on logging steps (the only host syncs)."""
+        config, state = self.config, self.state
+        step_start = time.perf_counter()
+        optim = config.optim
+        lr = set_lr(
+            self.optimizer,
+            lr_multiplier(
+                state.step,
+                optim.lr_schedule,
+                optim.warmup_steps,
+                self.total_steps,
+                optim.min_lr_ratio,
+            ),
+        )
+        loss, num_samples = self.accumulate_gradients()
+        grad_norm = self.apply_gradients()
+        state.step += 1
+        state.samples_seen += num_samples
+        if state.step % config.log.every_steps and state.step != self.total_steps:
+            return None
+        step_time = time.perf_counter() - step_start
+        return {
+            "loss": loss.item(),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_time": step_time,
+            "samples_per_s": num_samples / step_time,
+            "epoch": state.epoch,
+            "images_bad": state.images_bad,
+        }
+
+    def accumulate_gradients(self) -> tuple[torch.Tensor, int]:
+        """Forward and backward ``grad_accum_steps`` micro-batches; returns (mean loss, samples)."""
+        config, state = self.config, self.state
+        accum = config.train.grad_accum_steps
+        total_loss, num_samples = torch.zeros(()), 0
+        for micro in range(accum):
+            batch, (state.epoch, state.batch_in_epoch) = next(self.stream)
+            state.images_attempted += config.data.batch_size
+            state.images_bad += batch.num_bad if batch is not None else config.data.batch_size
+            self.check_bad_fraction()
+            if batch is None:
+                continue
+            seed = derive_seed(config.train.seed, 0, state.step, micro)  # (seed, rank, step, micro)
+            generator = torch.Generator().manual_seed(seed)
+            out = training_step(self.models, self.objective, batch, generator, self.autocast)
+            (out.loss / accum).backward()
+            total_loss += out.loss.detach().cpu()
+            num_samples += len(batch.captions)
+        return total_loss / accum, num_samples
+
+    def apply_gradients(self) -> float:
+        """Clip, then step unless the gradient is non-finite (DESIGN §6). Returns the grad norm."""
+        state = self.state
+        max_norm = self.config.optim.max_grad_norm or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            state.nonfinite_in_row = 0
+        else:
+            state.nonfinite_in_row += 1
+            state.steps_skipped += 1
+            print(f"impasto: step {state.step + 1}: non-finite gradient, step skipped")
+            if state.nonfinite_in_row >= self.config.train.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"{state.nonfinite_in_row} non-finite steps in a row; stopping with the last "
+                    "checkpoint intact (lower optim.lr or check the data)"
                 )
-    progress.close()
-    metrics.close()
-    report(state, time.perf_counter() - started, interrupted, last_checkpoint)
-    return TrainResult(run_dir, state, last_checkpoint, interrupted)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def check_bad_fraction(self) -> None:
+        """After a full epoch's worth of images, stop if too many were unreadable."""
+        state, limit = self.state, self.config.data.max_bad_fraction
+        fraction = state.images_bad / max(1, state.images_attempted)
+        if state.images_attempted >= len(self.records) and fraction > limit:
+            raise ValueError(
+                f"data: {state.images_bad} of {state.images_attempted} images were unreadable "
+                f"({fraction:.0%} > data.max_bad_fraction {limit}); remove or fix the broken files"
+            )
+
+    def should_save(self) -> bool:
+        final = self.state.step == self.total_steps and self.config.checkpoint.save_final
+        return final or self.state.step % self.config.checkpoint.every_steps == 0
 
 
 def load_records(config: Config) -> list[ImageRecord]:
@@ -141,9 +220,8 @@ def count_total_steps(config: Config, num_images: int) -> int:
         )
     total = config.train.max_steps or math.inf
     if config.train.max_epochs is not None:
-        total = min(
-            total, config.train.max_epochs * batches_per_epoch // config.train.grad_accum_steps
-        )
+        epoch_steps = config.train.max_epochs * batches_per_epoch // config.train.grad_accum_steps
+        total = min(total, epoch_steps)
     if total < 1:
         raise ValueError("train.max_epochs: the run would make no optimizer step; raise it")
     return int(total)
@@ -151,7 +229,7 @@ def count_total_steps(config: Config, num_images: int) -> int:
 
 def micro_batches(
     config: Config, records: list[ImageRecord], start: tuple[int, int]
-) -> Iterator[tuple[Batch | None, tuple[int, int]]]:
+) -> MicroBatches:
     """Batches in the exact resumable order, each with the position *after* consuming it."""
     epoch, first = start
     while True:
@@ -169,73 +247,6 @@ def micro_batches(
             after = first + offset + 1
             yield batch, (epoch, after) if after < sampler.num_batches_per_epoch else (epoch + 1, 0)
         epoch, first = epoch + 1, 0
-
-
-def accumulate_gradients(
-    config: Config,
-    models: SDXLComponents,
-    objective: Objective,
-    stream: Iterator[tuple[Batch | None, tuple[int, int]]],
-    state: TrainState,
-    autocast,
-) -> tuple[torch.Tensor, int]:
-    """Forward and backward ``grad_accum_steps`` micro-batches; returns (mean loss, samples)."""
-    accum = config.train.grad_accum_steps
-    total_loss, num_samples = torch.zeros(()), 0
-    for micro in range(accum):
-        batch, (state.epoch, state.batch_in_epoch) = next(stream)
-        state.images_attempted += config.data.batch_size
-        state.images_bad += batch.num_bad if batch is not None else config.data.batch_size
-        check_bad_fraction(config, state)
-        if batch is None:
-            continue
-        generator = torch.Generator().manual_seed(
-            derive_seed(config.train.seed, 0, state.step, micro)
-        )
-        out = training_step(models, objective, batch, generator, autocast)
-        (out.loss / accum).backward()
-        total_loss += out.loss.detach().cpu()
-        num_samples += len(batch.captions)
-    return total_loss / accum, num_samples
-
-
-def apply_gradients(
-    config: Config,
-    params: list[torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    state: TrainState,
-) -> float:
-    """Clip, then step unless the gradient is non-finite (DESIGN §6). Returns the grad norm."""
-    max_norm = config.optim.max_grad_norm or math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-    if math.isfinite(grad_norm):
-        optimizer.step()
-        state.nonfinite_in_row = 0
-    else:
-        state.nonfinite_in_row += 1
-        state.steps_skipped += 1
-        print(f"impasto: step {state.step + 1}: non-finite gradient, step skipped")
-        if state.nonfinite_in_row >= config.train.max_nonfinite_steps:
-            raise FloatingPointError(
-                f"{state.nonfinite_in_row} non-finite steps in a row; stopping with the last "
-                "checkpoint intact (lower optim.lr or check the data)"
-            )
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-def check_bad_fraction(config: Config, state: TrainState) -> None:
-    fraction = state.images_bad / max(1, state.images_attempted)
-    if (
-        state.images_bad
-        and fraction > config.data.max_bad_fraction
-        and state.images_attempted >= 20
-    ):
-        raise ValueError(
-            f"data: {state.images_bad} of {state.images_attempted} images were unreadable "
-            f"({fraction:.0%} > data.max_bad_fraction {config.data.max_bad_fraction}); "
-            "remove or fix the broken files"
-        )
 
 
 def report(state: TrainState, elapsed: float, interrupted: bool, checkpoint: Path | None) -> None:
