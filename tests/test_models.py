@@ -265,3 +265,11 @@ def test_invalid_component_config_raises_one_line(saved_dir: Path, tmp_path: Pat
     path = _copy(saved_dir, tmp_path)
     (path / "vae" / "config.json").write_text("{not json", encoding="utf-8")
     _assert_one_line_value_error(path, "vae/config.json is not valid JSON")
+
+
+def test_pickled_bin_weights_are_refused(tmp_path: Path, tiny: SDXLComponents) -> None:
+    save_diffusers(tiny, tmp_path / "model")
+    weights = tmp_path / "model" / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.rename(weights.with_name("diffusion_pytorch_model.bin"))
+    with pytest.raises(ValueError, match="only pickled .bin weights; impasto loads safetensors"):
+        load_diffusers(tmp_path / "model")

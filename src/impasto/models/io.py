@@ -34,18 +34,12 @@ EXPECTED_LAYOUT = (
     "expected a diffusers SDXL folder (model_index.json, unet/, vae/, text_encoder/, "
     "text_encoder_2/, tokenizer/, tokenizer_2/)"
 )
+# safetensors only: pickled .bin weights can run code when loaded (DESIGN §6).
 DIFFUSERS_WEIGHTS = (
     "diffusion_pytorch_model.safetensors",
     "diffusion_pytorch_model.safetensors.index.json",
-    "diffusion_pytorch_model.bin",
-    "diffusion_pytorch_model.bin.index.json",
 )
-TRANSFORMERS_WEIGHTS = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
+TRANSFORMERS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 COMPONENT_WEIGHTS = {
     "unet": DIFFUSERS_WEIGHTS,
     "vae": DIFFUSERS_WEIGHTS,
@@ -117,6 +111,11 @@ def _check_component(root: Path, subfolder: str, weight_names: tuple[str, ...]) 
             "re-save or re-copy it"
         ) from err
     if not any((folder / name).is_file() for name in weight_names):
+        if any(folder.glob("*.bin")):
+            raise ValueError(
+                f"model.path {root}: {subfolder}/ has only pickled .bin weights; impasto loads "
+                "safetensors only: convert with save_pretrained(..., safe_serialization=True)"
+            )
         raise ValueError(
             f"model.path {root}: no weights in {subfolder}/ (expected {weight_names[0]}); "
             "re-save the model with save_pretrained"
@@ -138,7 +137,7 @@ def _load_component(model_class: Any, root: Path, subfolder: str, **kwargs: Any)
     """``model_class.from_pretrained`` on a checked local subfolder; errors become one line."""
     try:
         return model_class.from_pretrained(
-            str(root), subfolder=subfolder, local_files_only=True, **kwargs
+            str(root), subfolder=subfolder, local_files_only=True, use_safetensors=True, **kwargs
         )
     except Exception as err:  # corrupt or truncated files: safetensors, torch, json errors
         weights = _weights_file(root / subfolder, COMPONENT_WEIGHTS[subfolder])
