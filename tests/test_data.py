@@ -442,3 +442,19 @@ def test_loader_workers_match_and_resume(tmp_path: Path) -> None:
     assert [(p, i) for p, i, _ in resumed] == [(p, i) for p, i, _ in single[4:]]
     for (_, _, x0), (_, _, x1) in zip(single[4:], resumed, strict=True):
         torch.testing.assert_close(x0, x1, rtol=0, atol=0)
+
+
+def test_caption_dropout_rate_and_determinism(tmp_path: Path) -> None:
+    write_demo_dataset(tmp_path / "d", num_images=8, size=16, seed=0)
+    records = scan_image_folder(tmp_path / "d")
+    plain = ImageCaptionDataset(records, 16, "random", True, seed=3)
+    dropping = ImageCaptionDataset(records, 16, "random", True, seed=3, caption_dropout=0.5)
+    keys = [(epoch, index) for epoch in range(50) for index in range(8)]
+    dropped = [dropping[key].caption == "" for key in keys]
+    assert 0.43 < sum(dropped) / len(dropped) < 0.57  # 400 draws: 3.5 standard deviations
+    assert dropped == [dropping[key].caption == "" for key in keys]  # replays exactly
+    for key in keys[:16]:  # the augmentation does not depend on the dropout setting
+        assert torch.equal(plain[key].pixel_values, dropping[key].pixel_values)
+    assert all(dropping[key].caption in ("", records[key[1]].caption) for key in keys)
+    with pytest.raises(ValueError, match=r"data.caption_dropout: must be in \[0, 1\]"):
+        ImageCaptionDataset(records, 16, "center", False, seed=0, caption_dropout=1.5)

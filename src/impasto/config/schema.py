@@ -88,6 +88,9 @@ class DataConfig(Section):
     resolution: int = Field(64, ge=8)
     crop: Literal["center", "random"] = "center"
     random_flip: bool = False
+    caption_dropout: float = Field(
+        0.0, ge=0, le=1, description="probability of the empty caption (for CFG at sampling)"
+    )
     batch_size: int = Field(4, ge=1)
     num_workers: int = Field(0, ge=0)
     max_bad_fraction: float = Field(

@@ -70,6 +70,7 @@ def build_dataloader(
     num_workers: int = 0,
     start_position: BatchPosition | tuple[int, int] = (0, 0),
     pin_memory: bool = False,
+    caption_dropout: float = 0.0,
 ) -> tuple[DataLoader, ResumableBatchSampler]:
     """A shuffling, exactly resumable loader of :class:`Batch` (or ``None`` for all-bad batches).
 
@@ -88,13 +89,14 @@ def build_dataloader(
         num_workers: loader worker processes; results are identical for any value.
         start_position: ``(epoch, batch_in_epoch)`` of the first batch to load.
         pin_memory: pin batches in host memory (for faster, asynchronous GPU copies).
+        caption_dropout: probability of training an example with the empty caption.
 
     Returns:
         ``(loader, sampler)``.
     """
     if num_workers < 0:
         raise ValueError(f"data: num_workers must be >= 0, got {num_workers}")
-    dataset = ImageCaptionDataset(records, resolution, crop, random_flip, seed)
+    dataset = ImageCaptionDataset(records, resolution, crop, random_flip, seed, caption_dropout)
     sampler = ResumableBatchSampler(
         num_samples=len(dataset),
         batch_size=batch_size,

@@ -69,6 +69,8 @@ class ImageCaptionDataset(Dataset):
         crop: "center" or "random" (see :data:`~impasto.data.transforms.CROP_MODES`).
         random_flip: flip horizontally with probability 0.5.
         seed: run seed; example ``index`` of ``epoch`` uses ``derive_seed(seed, epoch, index)``.
+        caption_dropout: probability of replacing the caption with "" (the unconditional
+            prompt that classifier-free guidance needs; Ho & Salimans 2022, arXiv:2207.12598).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class ImageCaptionDataset(Dataset):
         crop: str,
         random_flip: bool,
         seed: int,
+        caption_dropout: float = 0.0,
     ) -> None:
         if not records:
             raise ValueError("data: the record list is empty; point the dataset at some images")
@@ -89,6 +92,9 @@ class ImageCaptionDataset(Dataset):
         self.crop = crop
         self.random_flip = random_flip
         self.seed = seed
+        if not 0.0 <= caption_dropout <= 1.0:
+            raise ValueError(f"data.caption_dropout: must be in [0, 1], got {caption_dropout}")
+        self.caption_dropout = caption_dropout
 
     def __len__(self) -> int:
         return len(self.records)
@@ -108,9 +114,11 @@ class ImageCaptionDataset(Dataset):
         except IMAGE_LOAD_ERRORS as error:
             logger.warning("data: skipping unreadable image %s (%s)", record.image_path, error)
             return None
+        # Drawn after the crop, so the dropout setting never changes the augmentation.
+        dropped = torch.rand((), generator=generator).item() < self.caption_dropout
         return Example(
             pixel_values=pixel_values,
-            caption=record.caption,
+            caption="" if dropped else record.caption,
             original_size=original_size,
             crop_top_left=crop_top_left,
             index=index,

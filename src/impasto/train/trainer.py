@@ -242,6 +242,7 @@ def micro_batches(
             config.train.seed,
             config.data.num_workers,
             (epoch, first),
+            caption_dropout=config.data.caption_dropout,
         )
         for offset, batch in enumerate(loader):
             after = first + offset + 1
