@@ -28,6 +28,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 130 if result.interrupted else 0
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    from impasto.inference import SampleRequest, sample_checkpoint
+
+    request = SampleRequest(
+        prompts=tuple(args.prompt),
+        negative_prompt=args.negative,
+        num_images=args.num,
+        seed=args.seed,
+        num_steps=args.steps,
+        guidance_scale=args.cfg,
+        sampler=args.sampler,
+        size=args.size,
+    )
+    for path in sample_checkpoint(args.checkpoint, request, args.out):
+        print(path)
+    return 0
+
+
 def cmd_data_demo(args: argparse.Namespace) -> int:
     from impasto.data.demo import write_demo_dataset
 
@@ -83,9 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_data_demo)
 
+    sample = sub.add_parser("sample", help="generate images from a checkpoint")
+    sample.add_argument(
+        "checkpoint", help="RUN directory (newest checkpoint) or RUN/checkpoints/step-N"
+    )
+    sample.add_argument("--prompt", action="append", required=True, help="repeatable")
+    sample.add_argument("--negative", default="", help="negative prompt")
+    sample.add_argument(
+        "--num", type=int, default=1, help="images per prompt (seeds seed, seed+1, ...)"
+    )
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--steps", type=int, default=30)
+    sample.add_argument("--cfg", type=float, default=5.0, help="classifier-free guidance scale")
+    sample.add_argument("--sampler", default="euler", help="euler or ddim")
+    sample.add_argument("--size", type=int, default=None, help="default: the training resolution")
+    sample.add_argument("--out", required=True, help="output folder for the PNGs")
+    sample.set_defaults(func=cmd_sample)
+
     sub.add_parser("doctor", help="report the environment").set_defaults(func=cmd_doctor)
     for name, issue, help_text in (
-        ("sample", 3, "generate images from a checkpoint"),
         ("cache", 6, "fill the latent and text-embedding cache"),
         ("export", 5, "export a checkpoint (single file, diffusers, LoRA)"),
         ("bench", 7, "synthetic speed and memory benchmark"),

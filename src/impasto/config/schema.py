@@ -161,6 +161,30 @@ class CheckpointConfig(Section):
     save_final: bool = True
 
 
+class SampleConfig(Section):
+    """Validation samples during training: a grid of ``prompts`` every ``every_steps`` steps."""
+
+    every_steps: int = Field(0, ge=0, description="0: no samples during training")
+    prompts: tuple[str, ...] = ()
+    negative_prompt: str = ""
+    images_per_prompt: int = Field(1, ge=1)
+    num_steps: int = Field(30, ge=1)
+    guidance_scale: float = Field(5.0, ge=0)
+    sampler: str = "euler"
+    seed: int = Field(0, ge=0)
+    resolution: int | None = Field(None, ge=8, description="default: data.resolution")
+
+    @model_validator(mode="after")
+    def _check(self) -> SampleConfig:
+        from impasto.sampling.samplers import SAMPLERS
+
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler: unknown name {self.sampler!r}; valid: {sorted(SAMPLERS)}")
+        if self.every_steps and not self.prompts:
+            raise ValueError("every_steps is set but prompts is empty; add validation prompts")
+        return self
+
+
 class LogConfig(Section):
     every_steps: int = Field(1, ge=1)
     jsonl: bool = True
@@ -178,4 +202,5 @@ class Config(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    sample: SampleConfig = Field(default_factory=SampleConfig)
     log: LogConfig = Field(default_factory=LogConfig)

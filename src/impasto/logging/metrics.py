@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -55,6 +57,11 @@ class MetricsLogger:
             for key, value in values.items():
                 if isinstance(value, (int, float)):
                     self._writer.add_scalar(f"train/{key}", value, step)
+
+    def log_image(self, tag: str, image: Tensor, step: int) -> None:
+        """A ``[3, H, W]`` image in [0, 1] to TensorBoard (the PNG file is the caller's)."""
+        if self._writer is not None:
+            self._writer.add_image(tag, image, step)
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -16,6 +16,7 @@ from impasto.objectives.schedules import (
     scaled_linear_betas,
     sigmas_from_alphas_cumprod,
     snr_from_alphas_cumprod,
+    training_alphas_cumprod,
 )
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "scaled_linear_betas",
     "sigmas_from_alphas_cumprod",
     "snr_from_alphas_cumprod",
+    "training_alphas_cumprod",
     "uniform_timesteps",
 ]

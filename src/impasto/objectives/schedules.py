@@ -32,6 +32,14 @@ SCHEDULES: dict[str, Callable[[int, float, float], Tensor]] = {
 }
 
 
+def training_alphas_cumprod(objective) -> Tensor:
+    """ᾱ of the schedule an ``objective`` config section names (any object with its fields)."""
+    betas = SCHEDULES[objective.schedule](
+        objective.num_train_timesteps, objective.beta_start, objective.beta_end
+    )
+    return alphas_cumprod_from_betas(betas)
+
+
 def alphas_cumprod_from_betas(betas: Tensor) -> Tensor:
     """ᾱ_t = Π_{i≤t}(1 − β_i), shape [T]."""
     return torch.cumprod(1.0 - betas, dim=0)

@@ -19,10 +19,9 @@ from impasto.models import SDXLComponents, add_time_ids, encode_prompts
 from impasto.objectives import (
     LOSSES,
     PREDICTION_TARGETS,
-    SCHEDULES,
     TIMESTEP_SAMPLERS,
     add_noise,
-    alphas_cumprod_from_betas,
+    training_alphas_cumprod,
 )
 
 
@@ -38,11 +37,8 @@ class Objective:
 
     @classmethod
     def from_config(cls, config: ObjectiveConfig) -> Objective:
-        betas = SCHEDULES[config.schedule](
-            config.num_train_timesteps, config.beta_start, config.beta_end
-        )
         return cls(
-            alphas_cumprod=alphas_cumprod_from_betas(betas),
+            alphas_cumprod=training_alphas_cumprod(config),
             num_train_timesteps=config.num_train_timesteps,
             target=PREDICTION_TARGETS[config.prediction_type],
             sample_timesteps=TIMESTEP_SAMPLERS[config.timestep_sampling],

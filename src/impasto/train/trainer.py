@@ -26,6 +26,7 @@ from impasto.train.state import (
     save_train_checkpoint,
 )
 from impasto.train.step import Objective, training_step
+from impasto.train.validation import write_validation_grid
 
 MicroBatches = Iterator[tuple[Batch | None, tuple[int, int]]]
 
@@ -95,6 +96,12 @@ class Trainer:
                 if values is not None:
                     metrics.log(state.step, values)
                     progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
+                if self.should_sample():
+                    path, grid = write_validation_grid(
+                        config, self.models, self.objective.alphas_cumprod, self.run_dir, state.step
+                    )
+                    metrics.log_image("samples", grid, state.step)
+                    progress.write(f"impasto: samples at step {state.step}: {path}")
                 interrupted = stop.requested
                 if self.should_save() or interrupted:
                     self.last_checkpoint = save_train_checkpoint(
@@ -186,6 +193,10 @@ class Trainer:
                 f"data: {state.images_bad} of {state.images_attempted} images were unreadable "
                 f"({fraction:.0%} > data.max_bad_fraction {limit}); remove or fix the broken files"
             )
+
+    def should_sample(self) -> bool:
+        every = self.config.sample.every_steps
+        return every > 0 and (self.state.step % every == 0 or self.state.step == self.total_steps)
 
     def should_save(self) -> bool:
         final = self.state.step == self.total_steps and self.config.checkpoint.save_final

@@ -1,0 +1,69 @@
+"""Sampling: timestep ladders, ODE samplers, classifier-free guidance and SDXL generation.
+
+``schedules``, ``samplers``, ``guidance`` and ``denoisers`` are pure tensor functions (torch
+only, k-diffusion style); ``generate`` composes them with the SDXL components.
+"""
+
+from impasto.sampling.denoisers import PREDICTION_TYPES, denoised_from_prediction, vp_denoiser
+from impasto.sampling.generate import (
+    UNetConditioning,
+    decode_latents,
+    eval_mode,
+    generate,
+    generate_latents,
+    initial_noise,
+    latent_shape,
+    make_grid,
+    sdxl_alphas_cumprod,
+    sdxl_conditioning,
+    to_pil,
+    unet_forward,
+)
+from impasto.sampling.guidance import cfg, guided_output, rescale_cfg
+from impasto.sampling.samplers import (
+    SAMPLERS,
+    Denoiser,
+    SamplerSpec,
+    get_sampler,
+    sample_ddim,
+    sample_euler,
+)
+from impasto.sampling.schedules import (
+    FINAL_SIGMAS,
+    SPACINGS,
+    initial_noise_scale,
+    sampling_timesteps,
+    sigmas_for_timesteps,
+)
+
+__all__ = [
+    "FINAL_SIGMAS",
+    "PREDICTION_TYPES",
+    "SAMPLERS",
+    "SPACINGS",
+    "Denoiser",
+    "SamplerSpec",
+    "UNetConditioning",
+    "cfg",
+    "decode_latents",
+    "denoised_from_prediction",
+    "eval_mode",
+    "generate",
+    "generate_latents",
+    "get_sampler",
+    "guided_output",
+    "initial_noise",
+    "initial_noise_scale",
+    "latent_shape",
+    "make_grid",
+    "rescale_cfg",
+    "sample_ddim",
+    "sample_euler",
+    "sampling_timesteps",
+    "sdxl_alphas_cumprod",
+    "sdxl_conditioning",
+    "sigmas_for_timesteps",
+    "to_pil",
+    "unet_forward",
+    "vp_denoiser",
+]

@@ -1,0 +1,53 @@
+"""Validation samples during training: a grid of the config's prompts, to disk and TensorBoard."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from impasto.config import Config
+from impasto.models import SDXLComponents
+from impasto.sampling import generate, make_grid
+
+
+def sample_grid(config: Config, models: SDXLComponents, alphas_cumprod: Tensor) -> Tensor:
+    """``images_per_prompt`` samples of every validation prompt, ``[N, 3, H, W]`` in [0, 1]."""
+    sample = config.sample
+    resolution = sample.resolution or config.data.resolution
+    prompts = [prompt for prompt in sample.prompts for _ in range(sample.images_per_prompt)]
+    return generate(
+        models,
+        prompts,
+        negative_prompt=sample.negative_prompt,
+        num_steps=sample.num_steps,
+        guidance_scale=sample.guidance_scale,
+        sampler=sample.sampler,
+        seed=sample.seed,
+        height=resolution,
+        width=resolution,
+        prediction_type=config.objective.prediction_type,
+        alphas_cumprod=alphas_cumprod,
+    )
+
+
+def grid_columns(num_prompts: int, images_per_prompt: int) -> int:
+    """One row per prompt when there are several images per prompt, else a near-square grid."""
+    return images_per_prompt if images_per_prompt > 1 else math.ceil(math.sqrt(num_prompts))
+
+
+def write_validation_grid(
+    config: Config, models: SDXLComponents, alphas_cumprod: Tensor, run_dir: Path, step: int
+) -> tuple[Path, Tensor]:
+    """Render the grid and save it as ``RUN/samples/step-XXXXXXXX.png``; returns (path, CHW)."""
+    images = sample_grid(config, models, alphas_cumprod)
+    columns = grid_columns(len(config.sample.prompts), config.sample.images_per_prompt)
+    grid = make_grid(images, nrow=columns)
+    path = run_dir / "samples" / f"step-{step:08d}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    chw = torch.from_numpy(np.asarray(grid).copy()).permute(2, 0, 1)
+    return path, chw.float() / 255.0

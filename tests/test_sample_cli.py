@@ -1,0 +1,88 @@
+"""Validation grids during training and ``impasto sample`` from a checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from impasto.cli import main
+from impasto.config import build_config
+from impasto.train.trainer import train
+
+PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
+
+
+@pytest.fixture(scope="module")
+def sampled_run(tmp_path_factory, demo_folder):
+    run_dir = tmp_path_factory.mktemp("sampled") / "run"
+    raw = {
+        "model": {"preset": "tiny"},
+        "data": {"path": str(demo_folder), "batch_size": 4, "caption_dropout": 0.2},
+        "train": {"output_dir": str(run_dir), "max_steps": 4},
+        "checkpoint": {"every_steps": 4},
+        "sample": {"every_steps": 2, "prompts": PROMPTS, "images_per_prompt": 2, "num_steps": 4},
+        "log": {"progress_bar": False},
+    }
+    train(build_config(raw))
+    return run_dir
+
+
+def test_validation_grids_are_written_to_disk_and_tensorboard(sampled_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    grids = sorted(p.name for p in (sampled_run / "samples").iterdir())
+    assert grids == ["step-00000002.png", "step-00000004.png"]
+    with Image.open(sampled_run / "samples" / grids[-1]) as grid:
+        # 2 prompts x 2 images of 64 px, 2 px padding around and between tiles.
+        assert grid.size == (2 + 2 * 66, 2 + 2 * 66)
+    events = EventAccumulator(str(sampled_run / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("samples")] == [2, 4]
+
+
+def test_sample_command_reproduces_images_for_a_seed(sampled_run, tmp_path, capsys):
+    args = [
+        "sample",
+        str(sampled_run),
+        "--prompt",
+        PROMPTS[0],
+        "--negative",
+        "a green triangle",
+        "--num",
+        "2",
+        "--seed",
+        "3",
+        "--steps",
+        "4",
+        "--cfg",
+        "4",
+    ]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert main([*args, "--out", str(tmp_path / "b"), "--num", "1"]) == 0
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == [
+        "a-red-circle-on-a-white-background-seed3.png",
+        "a-red-circle-on-a-white-background-seed4.png",
+    ]
+    first = np.asarray(Image.open(tmp_path / "a" / names[0]))
+    again = np.asarray(Image.open(tmp_path / "b" / names[0]))
+    other = np.asarray(Image.open(tmp_path / "a" / names[1]))
+    assert first.shape == (64, 64, 3)
+    assert np.array_equal(first, again) and not np.array_equal(first, other)
+    parameters = Image.open(tmp_path / "a" / names[0]).text["parameters"]
+    assert "Seed: 3" in parameters and "Negative prompt: a green triangle" in parameters
+
+
+def test_sample_command_rejects_a_folder_without_checkpoints(tmp_path, capsys):
+    assert main(["sample", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "o")]) == 2
+    assert "neither a checkpoint" in capsys.readouterr().err
+
+
+def test_sample_config_requires_prompts(tiny_raw):
+    tiny_raw["sample"] = {"every_steps": 10}
+    with pytest.raises(ValueError, match="sample: every_steps is set but prompts is empty"):
+        build_config(tiny_raw)
+    tiny_raw["sample"] = {"sampler": "heun"}
+    with pytest.raises(ValueError, match="sample: sampler: unknown name 'heun'"):
+        build_config(tiny_raw)
