@@ -30,7 +30,7 @@ from impasto.data import (
     write_demo_dataset,
 )
 
-CAPTION_PATTERN = re.compile(r"^a (\w+) (\w+) on a (\w+) background$")
+CAPTION_PATTERN = re.compile(r"^an? (\w+) (\w+) on a (\w+) background$")
 
 
 def parse_caption(caption: str) -> tuple[str, str, str]:

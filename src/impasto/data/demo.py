@@ -63,7 +63,8 @@ class DemoSpec:
 
 def demo_caption(color: str, shape: str, background: str) -> str:
     """The caption of a demo image, e.g. "a red circle on a white background"."""
-    return f"a {color} {shape} on a {background} background"
+    article = "an" if color[0] in "aeiou" else "a"
+    return f"{article} {color} {shape} on a {background} background"
 
 
 def _combination(index: int, seed: int) -> tuple[str, str, str]:
