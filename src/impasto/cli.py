@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", required=True, help="output folder for the PNGs")
     sample.set_defaults(func=cmd_sample)
 
+    from impasto.vae.cli import add_train_vae_arguments, cmd_train_vae
+
+    train_vae = sub.add_parser("train-vae", help="train the tiny demo VAE on an image folder")
+    add_train_vae_arguments(train_vae)
+    train_vae.set_defaults(func=cmd_train_vae)
+
     sub.add_parser("doctor", help="report the environment").set_defaults(func=cmd_doctor)
     for name, issue, help_text in (
         ("cache", 6, "fill the latent and text-embedding cache"),

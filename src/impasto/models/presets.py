@@ -1,9 +1,11 @@
-"""Model presets: named builders of randomly initialised SDXL-architecture components.
+"""Model presets: named builders of SDXL-architecture components.
 
 ``tiny`` follows the recipe of diffusers' own SDXL pipeline tests
 (``tests/pipelines/stable_diffusion_xl/test_stable_diffusion_xl.py::get_dummy_components``):
 the real SDXL wiring (two CLIP encoders, ``text_time`` added conditioning, linear-projection
-transformers, an 8x-downsampling VAE) at widths that run on a CPU in milliseconds.
+transformers, an 8x-downsampling VAE) at widths that run on a CPU in milliseconds. Its UNet and
+text encoders are randomly initialised; its VAE is the demo VAE shipped in the package, trained
+on the demo shapes (:mod:`impasto.vae`, docs/demo-vae.md), so images decode for real.
 """
 
 from __future__ import annotations
@@ -11,17 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers import UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from impasto.models.components import SDXLComponents
 from impasto.models.tokenizers import load_clip_tokenizers
+from impasto.vae import load_demo_vae
 
 CLIP_VOCAB_SIZE = 49408
 CLIP_BOS_TOKEN_ID = 49406  # "<|startoftext|>"
 CLIP_EOS_TOKEN_ID = 49407  # "<|endoftext|>", also tokenizer 1's pad token
 TOKENIZER_2_PAD_TOKEN_ID = 0  # "!"
-SDXL_VAE_SCALING_FACTOR = 0.13025
 NUM_TIME_IDS = 6  # (orig_h, orig_w, crop_top, crop_left, target_h, target_w)
 
 TINY_TEXT_HIDDEN_SIZE = 32
@@ -69,30 +71,16 @@ def _tiny_unet() -> UNet2DConditionModel:
     )
 
 
-def _tiny_vae() -> AutoencoderKL:
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,  # 3 downsamples: factor 8 like SDXL
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 32, 32, 32),
-        layers_per_block=1,
-        norm_num_groups=8,
-        latent_channels=4,
-        sample_size=64,
-        scaling_factor=SDXL_VAE_SCALING_FACTOR,
-    )
-
-
 def build_tiny(seed: int = 0) -> SDXLComponents:
-    """Tiny random SDXL (5.5M parameters, 22 MB in fp32) for tests and CPU smoke runs.
+    """Tiny SDXL for tests and CPU smoke runs: random UNet and text encoders, trained VAE.
 
-    Initialisation depends only on ``seed``; the global torch RNG is left as it was.
+    The random initialisation depends only on ``seed``; the VAE is the shipped demo VAE for
+    every seed. The global torch RNG is left as it was.
     """
+    vae = load_demo_vae()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         unet = _tiny_unet()
-        vae = _tiny_vae()
         text_encoder = CLIPTextModel(
             _tiny_text_config(2, pad_token_id=CLIP_EOS_TOKEN_ID, hidden_act="quick_gelu")
         )

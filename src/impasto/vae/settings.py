@@ -1,0 +1,20 @@
+"""Settings of a VAE run (no torch import, so the CLI can build its parser quickly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VaeTrainSettings:
+    """Hyperparameters of a VAE run; the defaults made the shipped demo VAE."""
+
+    resolution: int = 64
+    steps: int = 4000
+    batch_size: int = 16
+    lr: float = 2e-3
+    warmup_steps: int = 100  # linear warmup, then cosine decay to 0
+    loss: str = "mse"
+    kl_weight: float = 1e-6
+    max_grad_norm: float = 1.0
+    seed: int = 0
