@@ -46,9 +46,7 @@ def sample_checkpoint(
     The same seed gives the same image, whatever the number of prompts or images.
     """
     config, models = load_trained(checkpoint)
-    size = request.size or config.data.resolution
-    if size % 8:
-        raise ValueError(f"--size: must be a multiple of 8, got {size}")
+    size = request.size or config.data.resolution  # generate() checks it against the VAE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

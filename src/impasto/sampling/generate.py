@@ -18,6 +18,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from PIL import Image
@@ -158,7 +159,8 @@ def generate_latents(
 ) -> Tensor:
     """Sample VP latents ``[B, C, H/f, W/f]`` float32 on the UNet's device (not yet unscaled).
 
-    Arguments as in ``generate``; ``callback(i, x, denoised)`` sees the VE state after step i.
+    Arguments are documented on :func:`generate`; ``callback(i, x, denoised)`` sees the VE
+    state after step i.
     """
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings")
@@ -219,25 +221,10 @@ def decode_latents(vae: nn.Module, latents: Tensor) -> Tensor:
     return torch.cat(images)
 
 
-def generate(
-    models: SDXLComponents,
-    prompts: list[str],
-    *,
-    negative_prompt: str | list[str] = "",
-    num_images_per_prompt: int = 1,
-    num_steps: int = 30,
-    guidance_scale: float = 5.0,
-    guidance_rescale: float = 0.0,
-    sampler: str = "euler",
-    seed: int = 0,
-    height: int = 64,
-    width: int = 64,
-    prediction_type: str = "epsilon",
-    alphas_cumprod: Tensor | None = None,
-    spacing: str = "leading",
-    steps_offset: int = 1,
-) -> Tensor:
+def generate(models: SDXLComponents, prompts: list[str], **options: Any) -> Tensor:
     """Generate images: ``[B·k, 3, height, width]`` float32 on CPU in [0, 1], k per prompt.
+
+    ``options`` are the keyword arguments of :func:`generate_latents`.
 
     Rows are prompt-major (k = ``num_images_per_prompt`` consecutive rows per prompt).
     ``negative_prompt`` is one string for all prompts or one per prompt (the empty string is
@@ -250,24 +237,7 @@ def generate(
     no global RNG is used, so a trainer can call this mid-run without changing its random
     streams.
     """
-    latents = generate_latents(
-        models,
-        prompts,
-        negative_prompt=negative_prompt,
-        num_images_per_prompt=num_images_per_prompt,
-        num_steps=num_steps,
-        guidance_scale=guidance_scale,
-        guidance_rescale=guidance_rescale,
-        sampler=sampler,
-        seed=seed,
-        height=height,
-        width=width,
-        prediction_type=prediction_type,
-        alphas_cumprod=alphas_cumprod,
-        spacing=spacing,
-        steps_offset=steps_offset,
-    )
-    return decode_latents(models.vae, latents)
+    return decode_latents(models.vae, generate_latents(models, prompts, **options))
 
 
 def to_pil(images: Tensor) -> list[Image.Image]:

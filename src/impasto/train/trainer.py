@@ -148,7 +148,8 @@ class Trainer:
         """Forward and backward ``grad_accum_steps`` micro-batches; returns (mean loss, samples)."""
         config, state = self.config, self.state
         accum = config.train.grad_accum_steps
-        total_loss, num_samples = torch.zeros(()), 0
+        # Summed on the device: .item() happens only on logging steps (no per-step host sync).
+        total_loss, num_samples = torch.zeros((), device=self.models.unet.device), 0
         for micro in range(accum):
             batch, (state.epoch, state.batch_in_epoch) = next(self.stream)
             state.images_attempted += config.data.batch_size
@@ -160,7 +161,7 @@ class Trainer:
             generator = torch.Generator().manual_seed(seed)
             out = training_step(self.models, self.objective, batch, generator, self.autocast)
             (out.loss / accum).backward()
-            total_loss += out.loss.detach().cpu()
+            total_loss += out.loss.detach()
             num_samples += len(batch.captions)
         return total_loss / accum, num_samples
 
