@@ -6,6 +6,7 @@ import torch
 from diffusers import DDPMScheduler, EulerDiscreteScheduler
 
 from impasto.objectives import (
+    PREDICTION_TARGETS,
     add_noise,
     alphas_cumprod_from_betas,
     mse_loss,
@@ -65,3 +66,14 @@ def test_mse_loss_is_per_sample():
     prediction = torch.zeros(2, 1, 2, 2)
     target = torch.stack([torch.ones(1, 2, 2), 2 * torch.ones(1, 2, 2)])
     assert mse_loss(prediction, target).tolist() == [1.0, 4.0]
+
+
+def test_v_prediction_target_equals_diffusers_velocity():
+    generator = torch.Generator().manual_seed(1)
+    x0 = torch.randn(4, 4, 8, 8, generator=generator)
+    noise = torch.randn(4, 4, 8, 8, generator=generator)
+    timesteps = torch.tensor([0, 17, 500, 999])
+    expected = DDPMScheduler(**SDXL).get_velocity(x0, noise, timesteps)
+    ours = PREDICTION_TARGETS["v_prediction"](x0, noise, timesteps, _sdxl_alphas_cumprod())
+    torch.testing.assert_close(ours, expected)
+    assert torch.equal(PREDICTION_TARGETS["sample"](x0, noise, timesteps, None), x0)

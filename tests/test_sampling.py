@@ -8,7 +8,7 @@ from diffusers import DDIMScheduler, EulerDiscreteScheduler, StableDiffusionXLPi
 from torch.testing import assert_close
 
 from impasto.models import SDXLComponents, build_tiny, sdxl_scheduler, to_pipeline
-from impasto.objectives import add_noise
+from impasto.objectives import PREDICTION_TARGETS, add_noise
 from impasto.sampling import (
     SAMPLERS,
     cfg,
@@ -41,17 +41,20 @@ def tiny() -> SDXLComponents:
     return build_tiny(0)
 
 
-def _euler(spacing: str = "leading") -> EulerDiscreteScheduler:
-    return EulerDiscreteScheduler.from_config(sdxl_scheduler().config, timestep_spacing=spacing)
+def _euler(spacing: str = "leading", prediction_type: str = "epsilon") -> EulerDiscreteScheduler:
+    return EulerDiscreteScheduler.from_config(
+        sdxl_scheduler().config, timestep_spacing=spacing, prediction_type=prediction_type
+    )
 
 
-def _ddim(spacing: str = "leading") -> DDIMScheduler:
+def _ddim(spacing: str = "leading", prediction_type: str = "epsilon") -> DDIMScheduler:
     """DDIM with SDXL's scheduler config (no sample clipping, final ᾱ = ᾱ_0)."""
     return DDIMScheduler.from_config(
         sdxl_scheduler().config,
         timestep_spacing=spacing,
         set_alpha_to_one=False,
         clip_sample=False,
+        prediction_type=prediction_type,
     )
 
 
@@ -177,15 +180,17 @@ def test_samplers_converge_to_the_gaussian_probability_flow_ode(sample) -> None:
     assert errors[2] < 0.01
 
 
-def test_denoised_from_epsilon_inverts_the_forward_process() -> None:
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_denoised_from_prediction_inverts_the_training_target(prediction_type: str) -> None:
     generator = torch.Generator().manual_seed(0)
     x0, noise = torch.randn(2, 2, 4, 4, 4, generator=generator)
     alphas_cumprod = sdxl_alphas_cumprod()
     for t in (0, 500, 999):
-        x_t = add_noise(x0, noise, torch.tensor([t, t]), alphas_cumprod)
-        alpha_bar = alphas_cumprod[t]
-        assert_close(denoised_from_prediction("epsilon", noise, x_t, alpha_bar), x0)
-    with pytest.raises(ValueError, match="valid types: \\['epsilon'\\]"):
+        timesteps = torch.tensor([t, t])
+        x_t = add_noise(x0, noise, timesteps, alphas_cumprod)
+        output = PREDICTION_TARGETS[prediction_type](x0, noise, timesteps, alphas_cumprod)
+        assert_close(denoised_from_prediction(prediction_type, output, x_t, alphas_cumprod[t]), x0)
+    with pytest.raises(ValueError, match="valid types: \\['epsilon', 'sample', 'v_prediction'\\]"):
         denoised_from_prediction("x0", noise, x0, alphas_cumprod[0])
 
 
@@ -221,17 +226,28 @@ def test_guided_output_batches_uncond_then_cond_in_one_forward() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sampler", "scheduler", "guidance_rescale"),
-    [("euler", _euler, 0.0), ("ddim", _ddim, 0.0), ("euler", _euler, 0.7)],
+    ("sampler", "scheduler", "guidance_rescale", "prediction_type"),
+    [
+        ("euler", _euler, 0.0, "epsilon"),
+        ("ddim", _ddim, 0.0, "epsilon"),
+        ("euler", _euler, 0.7, "epsilon"),
+        ("euler", _euler, 0.0, "v_prediction"),
+        ("ddim", _ddim, 0.7, "v_prediction"),
+    ],
 )
 def test_generate_equals_diffusers_sdxl_pipeline(
-    tiny: SDXLComponents, sampler: str, scheduler, guidance_rescale: float
+    tiny: SDXLComponents, sampler: str, scheduler, guidance_rescale: float, prediction_type: str
 ) -> None:
-    kwargs = {"num_steps": 6, "guidance_scale": 4.5, "guidance_rescale": guidance_rescale}
+    kwargs = {
+        "num_steps": 6,
+        "guidance_scale": 4.5,
+        "guidance_rescale": guidance_rescale,
+        "prediction_type": prediction_type,
+    }
     latents = generate_latents(
         tiny, PROMPTS, negative_prompt=NEGATIVE, sampler=sampler, seed=7, **kwargs
     )
-    pipe = _pipeline(tiny, scheduler())
+    pipe = _pipeline(tiny, scheduler(prediction_type=prediction_type))
     noise = initial_noise(len(PROMPTS), latent_shape(tiny, 64, 64), seed=7)
     reference = pipe(
         PROMPTS,
@@ -246,6 +262,8 @@ def test_generate_equals_diffusers_sdxl_pipeline(
     ).images
     assert_close(latents, reference, **LATENT_TOL)
 
+    if prediction_type != "epsilon":
+        return  # decoding is the same for every prediction type
     images = generate(tiny, PROMPTS, negative_prompt=NEGATIVE, sampler=sampler, seed=7, **kwargs)
     reference_images = pipe.image_processor.postprocess(
         tiny.vae.decode(reference / tiny.vae_scaling_factor).sample, output_type="pt"

@@ -29,9 +29,28 @@ def epsilon_target(x0: Tensor, noise: Tensor, timesteps: Tensor, alphas_cumprod:
     return noise
 
 
-# name → target(x0, noise, timesteps, alphas_cumprod); issue #4 adds v_prediction, sample, flow.
+def v_prediction_target(
+    x0: Tensor, noise: Tensor, timesteps: Tensor, alphas_cumprod: Tensor
+) -> Tensor:
+    """v = sqrt(ᾱ_t)·ε − sqrt(1 − ᾱ_t)·x0 (Salimans & Ho 2022, arXiv:2202.00512, §4).
+
+    In x0 terms its squared error weighs SNR + 1 where ε's weighs SNR, so the high-noise steps
+    that decide an image's layout and colours still carry gradient (and SNR = 0 is allowed).
+    """
+    alpha_bar = alphas_cumprod.to(x0.device)[timesteps]
+    return _per_sample(alpha_bar.sqrt(), x0) * noise - _per_sample((1 - alpha_bar).sqrt(), x0) * x0
+
+
+def sample_target(x0: Tensor, noise: Tensor, timesteps: Tensor, alphas_cumprod: Tensor) -> Tensor:
+    """x0-prediction (diffusers' ``"sample"``): the model predicts the clean latents."""
+    return x0
+
+
+# name → target(x0, noise, timesteps, alphas_cumprod); issue #4 adds flow.
 PREDICTION_TARGETS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
     "epsilon": epsilon_target,
+    "v_prediction": v_prediction_target,
+    "sample": sample_target,
 }
 
 

@@ -25,9 +25,21 @@ def denoised_from_epsilon(model_output: Tensor, x_t: Tensor, alpha_bar: Tensor) 
     return (x_t - (1 - alpha_bar).sqrt() * model_output) / alpha_bar.sqrt()
 
 
-# name → x̂0(model_output, x_t, alpha_bar); issue #4 adds v_prediction, sample and flow.
+def denoised_from_v(model_output: Tensor, x_t: Tensor, alpha_bar: Tensor) -> Tensor:
+    """x̂0 = sqrt(ᾱ)·x_t − sqrt(1 − ᾱ)·v̂ (Salimans & Ho 2022, arXiv:2202.00512, §4)."""
+    return alpha_bar.sqrt() * x_t - (1 - alpha_bar).sqrt() * model_output
+
+
+def denoised_from_sample(model_output: Tensor, x_t: Tensor, alpha_bar: Tensor) -> Tensor:
+    """x̂0 is the network output itself."""
+    return model_output
+
+
+# name → x̂0(model_output, x_t, alpha_bar); issue #4 adds flow.
 PREDICTION_TYPES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
     "epsilon": denoised_from_epsilon,
+    "v_prediction": denoised_from_v,
+    "sample": denoised_from_sample,
 }
 
 
