@@ -1,15 +1,13 @@
-"""Forward noising, prediction targets, timestep samplers and per-sample losses.
+"""Forward noising and prediction targets of the DDPM (VP) objectives.
 
-All functions are pure: tensors in, tensors out, randomness only through an explicit
-``torch.Generator``. Shapes: latents x0 and noise ε are [B, C, H, W]; timesteps are [B].
+Pure functions: tensors in, tensors out. Shapes: latents x0 and noise ε are [B, C, H, W];
+timesteps are int64 [B] indices into ᾱ.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -46,37 +44,10 @@ def sample_target(x0: Tensor, noise: Tensor, timesteps: Tensor, alphas_cumprod: 
     return x0
 
 
-# name → target(x0, noise, timesteps, alphas_cumprod); issue #4 adds flow.
+# name → target(x0, noise, timesteps, alphas_cumprod). Flow matching has its own noising and
+# target (``flow.py``): pairing ``add_noise`` with a flow target would train the wrong path.
 PREDICTION_TARGETS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
     "epsilon": epsilon_target,
     "v_prediction": v_prediction_target,
     "sample": sample_target,
-}
-
-
-def uniform_timesteps(
-    batch_size: int, num_train_timesteps: int, generator: torch.Generator, device: torch.device
-) -> Tensor:
-    """t ~ U{0, …, T−1}, the DDPM / SDXL training distribution. Returns int64 [B]."""
-    timesteps = torch.randint(
-        0, num_train_timesteps, (batch_size,), generator=generator, device=generator.device
-    )
-    return timesteps.to(device)
-
-
-# name → sampler(batch_size, num_train_timesteps, generator, device).
-TIMESTEP_SAMPLERS: dict[str, Callable[[int, int, torch.Generator, torch.device], Tensor]] = {
-    "uniform": uniform_timesteps,
-}
-
-
-def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
-    """Per-sample mean squared error over all non-batch dims, in fp32. Returns [B]."""
-    error = F.mse_loss(prediction.float(), target.float(), reduction="none")
-    return error.flatten(1).mean(dim=1)
-
-
-# name → per-sample loss(prediction, target) -> [B].
-LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "mse": mse_loss,
 }
