@@ -33,12 +33,13 @@ MALFORMED = [
     ("data.resolution", 100, "data.resolution: must be a multiple of 8"),
     ("data.crop", "top", "data.crop: input should be 'center' or 'random'"),
     ("data.batch_size", "four", "data.batch_size: "),
-    ("model.preset", "huge", "model.preset: unknown preset 'huge'; valid: tiny"),
+    ("model.preset", "huge", "model.preset: unknown preset 'huge'; valid: demo, tiny"),
     ("objective.prediction_type", "eps", "objective: prediction_type: unknown name 'eps'"),
     ("objective.beta_end", 0.0001, "objective: beta_end must be > beta_start"),
     ("checkpoint.keep_last", 0, "checkpoint.keep_last: "),
     ("log.every", 5, "log.every: unknown key; did you mean 'every_steps'?"),
     ("trian.max_steps", 5, "trian: unknown key; did you mean 'train'?"),
+    ("cache.latents", "disk", "cache.latents: input should be 'none' or 'memory'"),
     ("config_version", 9, "config_version: 9 is newer than this impasto supports"),
 ]
 
@@ -64,6 +65,13 @@ def test_malformed_config_exits_2_with_one_line_naming_the_key(
     assert code == 2
     assert err.count("\n") == 1, err
     assert fragment in err, err
+
+
+def test_memory_latent_cache_needs_deterministic_images(tiny_raw):
+    raw = _with(_with(tiny_raw, "cache.latents", "memory"), "data.random_flip", True)
+    with pytest.raises(ConfigError, match=r"^config: cache.latents: 'memory' needs the same"):
+        build_config(raw)
+    assert build_config(_with(tiny_raw, "cache.latents", "memory")).cache.latents == "memory"
 
 
 def test_missing_required_sections_and_model_source(tiny_raw):
@@ -139,4 +147,4 @@ def test_print_config_round_trips(tiny_raw, tmp_path):
 
 def test_demo_config_is_valid():
     config = load_config(Path(__file__).parents[1] / "configs" / "demo.yaml")
-    assert config.model.preset == "tiny" and config.data.generate_demo
+    assert config.model.preset == "demo" and config.data.generate_demo

@@ -155,12 +155,23 @@ def test_build_tiny_is_seeded_and_leaves_global_rng_alone(tiny: SDXLComponents) 
 
 def test_build_preset_lists_valid_names_and_load_components_needs_one_source() -> None:
     assert isinstance(build_preset("tiny", 0), SDXLComponents)
-    with pytest.raises(ValueError, match=r"unknown model preset 'huge'; valid presets: \['tiny'\]"):
+    message = r"unknown model preset 'huge'; valid presets: \['demo', 'tiny'\]"
+    with pytest.raises(ValueError, match=message):
         build_preset("huge")
     with pytest.raises(ValueError, match="exactly one"):
         load_components(None, None)
     with pytest.raises(ValueError, match="exactly one"):
         load_components("tiny", "/some/folder")
+
+
+def test_demo_preset_is_tiny_with_10x_text_encoder_init(tiny: SDXLComponents) -> None:
+    demo = build_preset("demo", 0)
+    tiny_unet = tiny.unet.state_dict()
+    assert all(torch.equal(value, tiny_unet[key]) for key, value in demo.unet.state_dict().items())
+    for name in ("text_encoder", "text_encoder_2"):
+        demo_std = getattr(demo, name).get_input_embeddings().weight.detach().std().item()
+        tiny_std = getattr(tiny, name).get_input_embeddings().weight.detach().std().item()
+        assert demo_std / tiny_std == pytest.approx(10, rel=0.01)
 
 
 def test_tiny_sdxl_forward_at_64px(tiny: SDXLComponents) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -88,6 +89,49 @@ def test_resume_is_bitwise_identical(tmp_path, demo_folder, straight_run):
     assert second.state.step == 10
     _assert_same_weights(_weights(straight_run, 10), _weights(second.run_dir, 10))
     assert _losses(straight_run) == _losses(second.run_dir)
+
+
+def test_memory_cache_resumes_bitwise_and_matches_fresh_encodings(tmp_path, demo_folder):
+    raw = _raw(demo_folder, tmp_path / "cached", max_steps=6)
+    raw["data"].update(crop="center", random_flip=False, caption_dropout=0.3)
+    raw["checkpoint"]["every_steps"] = 3
+    uncached = train(build_config(copy.deepcopy(raw)))
+    raw["cache"] = {"latents": "memory", "text_embeddings": "memory"}
+    raw["train"]["output_dir"] = str(tmp_path / "straight")
+    straight = train(build_config(raw))
+    raw["train"]["output_dir"] = str(tmp_path / "resumed")
+    train(build_config({**raw, "train": {**raw["train"], "max_steps": 3}}))
+    resumed = train(build_config(raw))  # starts with an empty memo
+    _assert_same_weights(_weights(straight.run_dir, 6), _weights(resumed.run_dir, 6))
+    assert _losses(straight.run_dir) == _losses(resumed.run_dir)
+    # Encoding one item at a time changes float rounding only (~1e-6): the same first loss.
+    # (Later losses drift apart: AdamW's first steps amplify rounding differences.)
+    assert _losses(straight.run_dir)[0] == pytest.approx(_losses(uncached.run_dir)[0], rel=1e-5)
+
+
+def test_encoding_memo_equals_batch_encoding_and_encodes_each_item_once(demo_folder):
+    from impasto.data import build_dataloader, scan_image_folder
+    from impasto.models import build_tiny, encode_prompts
+    from impasto.train.memo import EncodingMemo
+
+    records = scan_image_folder(demo_folder)
+    loader, _ = build_dataloader(records, 64, "center", False, 8, seed=0, caption_dropout=0.5)
+    batch = next(iter(loader))
+    models, memo = build_tiny(0), EncodingMemo(latents=True, text_embeddings=True)
+    with torch.no_grad():
+        mean, std = memo.posterior(models, batch)
+        prompts = memo.prompts(models, batch.captions, contextlib.nullcontext)
+        posterior = models.vae.encode(batch.pixel_values).latent_dist
+        reference = encode_prompts(models, batch.captions)
+    torch.testing.assert_close(mean, posterior.mean, rtol=0, atol=1e-5)
+    torch.testing.assert_close(std, posterior.std, rtol=0, atol=1e-5)
+    torch.testing.assert_close(prompts.prompt_embeds, reference.prompt_embeds, rtol=0, atol=1e-5)
+    torch.testing.assert_close(prompts.pooled_prompt_embeds, reference.pooled_prompt_embeds)
+    assert len(memo._posteriors) == len(set(batch.indices.tolist()))
+    assert len(memo._prompts) == len(set(batch.captions))
+    memo._prompts = {key: (e + 1, p) for key, (e, p) in memo._prompts.items()}  # served from RAM
+    again = memo.prompts(models, batch.captions, contextlib.nullcontext)
+    torch.testing.assert_close(again.prompt_embeds, prompts.prompt_embeds + 1)
 
 
 def test_failed_checkpoint_write_keeps_previous_and_resumes_exactly(

@@ -44,7 +44,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """Two identical short runs (same seed) on 32 demo images."""
     root = tmp_path_factory.mktemp("train")
     write_demo_dataset(root / "data", num_images=32, size=64, seed=TRAINING_SEED)
-    kwargs = {"steps": 30, "batch_size": 8, "lr": 2e-3, "warmup_steps": 5, "log_every": 10}
+    kwargs = {"steps": 30, "batch_size": 8, "lr": 4e-3, "warmup_steps": 5, "log_every": 10}
     first = train_vae(
         root / "data", root / "a" / "diffusion_pytorch_model.safetensors", seed=3, **kwargs
     )

@@ -105,6 +105,18 @@ class DataConfig(Section):
         return value
 
 
+class CacheConfig(Section):
+    """Encodings by the frozen VAE and text encoders, kept after their first computation.
+
+    ``memory`` keeps them in RAM for the rest of the run: text embeddings per distinct caption,
+    VAE posteriors per image (only when images are deterministic: center crop, no flip).
+    Issue #6 adds an on-disk, content-addressed cache.
+    """
+
+    latents: Literal["none", "memory"] = "none"
+    text_embeddings: Literal["none", "memory"] = "none"
+
+
 class OptimConfig(Section):
     name: str = "adamw"
     lr: float = Field(1e-4, gt=0)
@@ -199,8 +211,18 @@ class Config(Section):
     model: ModelConfig
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     data: DataConfig
+    cache: CacheConfig = Field(default_factory=CacheConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _cache_fits_the_data(self) -> Config:
+        if self.cache.latents == "memory" and (self.data.crop != "center" or self.data.random_flip):
+            raise ValueError(
+                "cache.latents: 'memory' needs the same pixels every epoch (data.crop: center, "
+                "data.random_flip: false); set cache.latents: none for random crops or flips"
+            )
+        return self

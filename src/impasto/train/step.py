@@ -15,7 +15,7 @@ from torch import Tensor
 
 from impasto.config.schema import ObjectiveConfig
 from impasto.data import Batch
-from impasto.models import SDXLComponents, add_time_ids, encode_prompts
+from impasto.models import SDXLComponents, add_time_ids
 from impasto.objectives import (
     LOSSES,
     PREDICTION_TARGETS,
@@ -23,6 +23,7 @@ from impasto.objectives import (
     add_noise,
     training_alphas_cumprod,
 )
+from impasto.train.memo import EncodingMemo
 
 
 @dataclass(frozen=True)
@@ -59,22 +60,21 @@ def training_step(
     batch: Batch,
     generator: torch.Generator,
     autocast: Callable[[], AbstractContextManager],
+    memo: EncodingMemo | None = None,
 ) -> StepOutput:
     """The loss of one micro-batch. Randomness (VAE posterior, noise, t) comes from ``generator``.
 
-    The generator lives on the CPU so a run draws the same numbers on any device.
+    The generator lives on the CPU so a run draws the same numbers on any device. ``memo``
+    (``cache: memory``) reuses earlier encodings of the same images and captions.
     """
     device = models.unet.device
-    pixel_values = batch.pixel_values.to(device)
+    memo = memo or EncodingMemo(latents=False, text_embeddings=False)
     with torch.no_grad():
-        posterior = models.vae.encode(pixel_values.to(models.vae.dtype)).latent_dist
-        noise_for_posterior = torch.randn(posterior.mean.shape, generator=generator)
-        latents = posterior.mean + posterior.std * noise_for_posterior.to(
-            device, posterior.std.dtype
-        )
+        mean, std = memo.posterior(models, batch)
+        noise_for_posterior = torch.randn(mean.shape, generator=generator)
+        latents = mean + std * noise_for_posterior.to(device, std.dtype)
         latents = (latents * models.vae_scaling_factor).float()
-        with autocast():
-            prompts = encode_prompts(models, batch.captions)
+        prompts = memo.prompts(models, batch.captions, autocast)
         time_ids = add_time_ids(
             batch.original_sizes, batch.crop_top_lefts, batch.target_sizes, dtype=torch.float32
         ).to(device)

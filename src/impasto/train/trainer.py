@@ -16,6 +16,7 @@ from impasto.data import Batch, ImageRecord, build_dataloader, derive_seed, scan
 from impasto.data.demo import write_demo_dataset
 from impasto.logging import MetricsLogger
 from impasto.models import SDXLComponents, load_components
+from impasto.train.memo import EncodingMemo
 from impasto.train.optim import OPTIMIZERS, lr_multiplier, set_lr
 from impasto.train.precision import autocast_factory, resolve_device, resolve_precision
 from impasto.train.signals import StopRequest
@@ -64,6 +65,7 @@ class Trainer:
         self.params = [p for p in self.models.unet.parameters() if p.requires_grad]
         self.optimizer = OPTIMIZERS[config.optim.name](self.params, config.optim)
         self.objective = Objective.from_config(config.objective)
+        self.memo = EncodingMemo.from_config(config)
 
         self.state, self.last_checkpoint = TrainState(), None
         restored = None
@@ -159,7 +161,9 @@ class Trainer:
                 continue
             seed = derive_seed(config.train.seed, 0, state.step, micro)  # (seed, rank, step, micro)
             generator = torch.Generator().manual_seed(seed)
-            out = training_step(self.models, self.objective, batch, generator, self.autocast)
+            out = training_step(
+                self.models, self.objective, batch, generator, self.autocast, self.memo
+            )
             (out.loss / accum).backward()
             total_loss += out.loss.detach()
             num_samples += len(batch.captions)

@@ -1,0 +1,73 @@
+"""Encodings of the frozen VAE and text encoders, kept in RAM after their first computation.
+
+``cache.latents: memory`` and ``cache.text_embeddings: memory``. Entries live on the CPU and
+move to the encoders' device per batch. Each item is encoded on its
+own (a batch of one), so its value depends only on its key, not on the batch it first came in:
+a resumed run, which starts with an empty memo, gets bitwise the same encodings. Issue #6 adds
+the on-disk, content-addressed cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import Tensor
+
+from impasto.config import Config
+from impasto.data import Batch
+from impasto.models import PromptEmbeds, SDXLComponents, encode_prompts
+
+
+class EncodingMemo:
+    """Per-image VAE posteriors (mean, std) and per-caption SDXL text embeddings."""
+
+    def __init__(self, latents: bool, text_embeddings: bool) -> None:
+        self.latents = latents
+        self.text_embeddings = text_embeddings
+        self._posteriors: dict[int, tuple[Tensor, Tensor]] = {}
+        self._prompts: dict[str, tuple[Tensor, Tensor]] = {}
+
+    @classmethod
+    def from_config(cls, config: Config) -> EncodingMemo:
+        return cls(config.cache.latents == "memory", config.cache.text_embeddings == "memory")
+
+    def posterior(self, models: SDXLComponents, batch: Batch) -> tuple[Tensor, Tensor]:
+        """The VAE posterior's mean and std ``[B, C, h, w]`` of the batch's images."""
+        vae = models.vae
+        pixels = batch.pixel_values.to(vae.device, vae.dtype)
+        if not self.latents:
+            posterior = vae.encode(pixels).latent_dist
+            return posterior.mean, posterior.std
+        for row, index in enumerate(batch.indices.tolist()):
+            if index not in self._posteriors:
+                posterior = vae.encode(pixels[row : row + 1]).latent_dist
+                self._posteriors[index] = (posterior.mean[0].cpu(), posterior.std[0].cpu())
+        means, stds = zip(*(self._posteriors[i] for i in batch.indices.tolist()), strict=True)
+        return torch.stack(means).to(vae.device), torch.stack(stds).to(vae.device)
+
+    def prompts(
+        self,
+        models: SDXLComponents,
+        captions: list[str],
+        autocast: Callable[[], AbstractContextManager],
+    ) -> PromptEmbeds:
+        """SDXL text conditioning of ``captions`` (see :func:`impasto.models.encode_prompts`)."""
+        if not self.text_embeddings:
+            with autocast():
+                return encode_prompts(models, captions)
+        for caption in dict.fromkeys(captions):
+            if caption not in self._prompts:
+                with autocast():
+                    encoded = encode_prompts(models, [caption])
+                self._prompts[caption] = (
+                    encoded.prompt_embeds[0].cpu(),
+                    encoded.pooled_prompt_embeds[0].cpu(),
+                )
+        device = models.text_encoder_2.device
+        embeds, pooled = zip(*(self._prompts[c] for c in captions), strict=True)
+        return PromptEmbeds(
+            prompt_embeds=torch.stack(embeds).to(device),
+            pooled_prompt_embeds=torch.stack(pooled).to(device),
+        )
