@@ -43,26 +43,61 @@ class ModelConfig(Section):
         return self
 
 
+class TimestepBiasConfig(Section):
+    """diffusers' timestep bias (DESIGN §5): P(t) ∝ multiplier on the biased steps, 1 elsewhere."""
+
+    strategy: Literal["none", "earlier", "later", "range"] = "none"
+    multiplier: float = Field(1.0, description="must be > 0")
+    begin: int = Field(0, ge=0, description="range only")
+    end: int | None = Field(None, ge=1, description="range only, exclusive; default T")
+    portion: float = Field(0.25, gt=0, le=1, description="earlier / later: this fraction of T")
+
+
 class ObjectiveConfig(Section):
-    """The diffusion objective. Issue #4 widens every axis; each name is a registry key."""
+    """The diffusion objective; each name is a registry key of :mod:`impasto.objectives`."""
 
     schedule: str = "scaled_linear"
     num_train_timesteps: int = Field(1000, ge=2)
     beta_start: float = Field(0.00085, gt=0, lt=1)
     beta_end: float = Field(0.012, gt=0, lt=1)
+    zero_terminal_snr: bool = Field(False, description="Lin et al. 2023; needs v_prediction")
+    terminal_sigma: float = Field(20000.0, gt=0, description="stands in for ZTSNR's infinite σ")
     prediction_type: str = "epsilon"
     timestep_sampling: str = "uniform"
+    min_timestep: int = Field(0, ge=0, description="uniform: lowest t")
+    max_timestep: int | None = Field(None, ge=1, description="uniform: exclusive; default T")
+    timestep_bias: TimestepBiasConfig = Field(default_factory=TimestepBiasConfig)
+    loss_weighting: str = "none"
+    min_snr_gamma: float = Field(5.0, gt=0)
+    p2_gamma: float = Field(1.0, gt=0)
+    noise_offset: float = Field(0.0, ge=0, description="Guttenberg 2023; kohya suggests 0.1")
+    noise_offset_random_strength: bool = False
+    multires_noise_iterations: int = Field(0, ge=0, description="0: off; kohya suggests 6-10")
+    multires_noise_discount: float = Field(0.3, gt=0, le=1)
+    input_perturbation: float = Field(0.0, ge=0, description="Ning et al. 2023; 0.1 suggested")
+    input_perturbation_random_strength: bool = False
     loss: str = "mse"
+    huber_schedule: str = "snr"
+    huber_c: float = Field(0.1, gt=0, le=1)
 
     @model_validator(mode="after")
-    def _known_names(self) -> ObjectiveConfig:
-        from impasto.objectives import LOSSES, PREDICTION_TARGETS, SCHEDULES, TIMESTEP_SAMPLERS
+    def _valid_combination(self) -> ObjectiveConfig:
+        from impasto.objectives import (
+            HUBER_C_SCHEDULES,
+            LOSS_WEIGHTINGS,
+            LOSSES,
+            PREDICTION_TARGETS,
+            SCHEDULES,
+            TIMESTEP_SAMPLERS,
+        )
 
         for field, registry in (
             ("schedule", SCHEDULES),
             ("prediction_type", PREDICTION_TARGETS),
             ("timestep_sampling", TIMESTEP_SAMPLERS),
+            ("loss_weighting", LOSS_WEIGHTINGS),
             ("loss", LOSSES),
+            ("huber_schedule", HUBER_C_SCHEDULES),
         ):
             name = getattr(self, field)
             if name not in registry:
@@ -73,7 +108,37 @@ class ObjectiveConfig(Section):
             raise ValueError(
                 f"beta_end must be > beta_start, got {self.beta_end} <= {self.beta_start}"
             )
+        if self.zero_terminal_snr and self.prediction_type != "v_prediction":
+            raise ValueError(
+                "zero_terminal_snr needs prediction_type: v_prediction (at SNR 0 the noise is "
+                f"the input itself, nothing to predict), got {self.prediction_type!r}"
+            )
+        T = self.num_train_timesteps
+        if not self.min_timestep < (self.max_timestep or T) <= T:
+            raise ValueError(
+                f"need 0 <= min_timestep < max_timestep <= {T}, got "
+                f"{self.min_timestep} and {self.max_timestep}"
+            )
+        bias = self.timestep_bias
+        if bias.multiplier <= 0:
+            raise ValueError(f"timestep_bias.multiplier must be > 0, got {bias.multiplier}")
+        if bias.strategy == "range" and not bias.begin < (bias.end or T) <= T:
+            raise ValueError(
+                f"timestep_bias: need begin < end <= {T}, got {bias.begin} and {bias.end}"
+            )
         return self
+
+    def timestep_sampler_params(self) -> dict:
+        """Keyword arguments of ``TIMESTEP_SAMPLERS[timestep_sampling]``."""
+        if self.timestep_sampling == "timestep_bias":
+            return self.timestep_bias.model_dump()
+        return {"min_timestep": self.min_timestep, "max_timestep": self.max_timestep}
+
+    def loss_weighting_params(self) -> dict:
+        """Keyword arguments of ``LOSS_WEIGHTINGS[loss_weighting]``."""
+        return {"min_snr": {"gamma": self.min_snr_gamma}, "p2": {"gamma": self.p2_gamma}}.get(
+            self.loss_weighting, {}
+        )
 
 
 class DataConfig(Section):

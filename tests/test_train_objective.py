@@ -1,0 +1,91 @@
+"""The objective options of the training step, wired from the config (issue #4)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from impasto.config.schema import ObjectiveConfig
+from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas
+from impasto.train.step import Objective
+
+
+def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(6, 4, 8, 8, generator=generator), torch.randn(
+        6, 4, 8, 8, generator=generator
+    )
+
+
+def test_min_snr_weights_the_v_loss_by_min_snr_over_snr_plus_one():
+    objective = Objective.from_config(
+        ObjectiveConfig(prediction_type="v_prediction", loss_weighting="min_snr")
+    )
+    prediction, target = _inputs()
+    timesteps = torch.tensor([0, 100, 300, 500, 800, 999])
+    alpha_bar = alphas_cumprod_from_betas(scaled_linear_betas(1000, 0.00085, 0.012))[timesteps]
+    snr = (alpha_bar / (1 - alpha_bar)).tolist()
+    mse = ((prediction - target) ** 2).flatten(1).mean(1).tolist()
+    expected = [m * min(s, 5.0) / (s + 1) for m, s in zip(mse, snr, strict=True)]
+    ours = objective.per_sample_loss(prediction, target, timesteps)
+    torch.testing.assert_close(ours, torch.tensor(expected))
+
+
+def test_pseudo_huber_with_a_constant_c():
+    objective = Objective.from_config(
+        ObjectiveConfig(loss="pseudo_huber", huber_schedule="constant", huber_c=0.1)
+    )
+    prediction, target = _inputs(1)
+    d = prediction - target
+    expected = (2 * 0.1 * (torch.sqrt(d**2 + 0.01) - 0.1)).flatten(1).mean(1)
+    ours = objective.per_sample_loss(prediction, target, torch.arange(6))
+    torch.testing.assert_close(ours, expected)
+
+
+def test_input_perturbation_keeps_the_clean_noise_for_the_target():
+    objective = Objective.from_config(ObjectiveConfig(input_perturbation=0.1))
+    noise = torch.randn(64, 4, 8, 8, generator=torch.Generator().manual_seed(2))
+    for_target, for_input = objective.shape_noise(noise, torch.Generator().manual_seed(3))
+    assert torch.equal(for_target, noise)
+    assert (for_input - noise).std().item() == pytest.approx(0.1, rel=0.02)
+
+
+def test_offset_noise_moves_target_and_input_together_and_defaults_draw_nothing():
+    noise = torch.randn(256, 4, 8, 8, generator=torch.Generator().manual_seed(4))
+    objective = Objective.from_config(ObjectiveConfig(noise_offset=0.1))
+    for_target, for_input = objective.shape_noise(noise, torch.Generator().manual_seed(5))
+    assert for_target is for_input
+    offset = for_target - noise
+    torch.testing.assert_close(offset, offset[:, :, :1, :1].expand_as(offset))  # per channel
+    assert offset[:, :, 0, 0].std().item() == pytest.approx(0.1, rel=0.1)
+    generator = torch.Generator().manual_seed(6)
+    state = generator.get_state()
+    plain = Objective.from_config(ObjectiveConfig())
+    assert plain.shape_noise(noise, generator) == (noise, noise)
+    assert torch.equal(generator.get_state(), state)  # the default run's random stream is unchanged
+
+
+def test_timestep_bias_later_draws_the_last_quarter_ten_times_as_often():
+    bias = {"strategy": "later", "multiplier": 10.0, "portion": 0.25}
+    objective = Objective.from_config(
+        ObjectiveConfig(timestep_sampling="timestep_bias", timestep_bias=bias)
+    )
+    draws = objective.sample_timesteps(20000, torch.Generator().manual_seed(7), torch.device("cpu"))
+    late = (draws >= 750).float().mean().item()
+    p = 10 * 250 / (10 * 250 + 750)  # 0.769
+    assert abs(late - p) < 5 * math.sqrt(p * (1 - p) / 20000)
+
+
+def test_uniform_window_and_zero_terminal_snr_schedule():
+    objective = Objective.from_config(ObjectiveConfig(min_timestep=200, max_timestep=400))
+    draws = objective.sample_timesteps(5000, torch.Generator().manual_seed(8), torch.device("cpu"))
+    assert draws.min() == 200 and draws.max() == 399
+    ztsnr = Objective.from_config(
+        ObjectiveConfig(
+            prediction_type="v_prediction", zero_terminal_snr=True, terminal_sigma=20000
+        )
+    )
+    sigma_max = ((1 - ztsnr.alphas_cumprod[-1]) / ztsnr.alphas_cumprod[-1]).sqrt().item()
+    assert sigma_max == pytest.approx(20000, rel=1e-6)
