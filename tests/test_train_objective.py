@@ -89,3 +89,45 @@ def test_uniform_window_and_zero_terminal_snr_schedule():
     )
     sigma_max = ((1 - ztsnr.alphas_cumprod[-1]) / ztsnr.alphas_cumprod[-1]).sqrt().item()
     assert sigma_max == pytest.approx(20000, rel=1e-6)
+
+
+def test_zero_terminal_snr_sampling_starts_at_the_terminal_sigma(tiny_raw):
+    from impasto.config import build_config
+    from impasto.inference import model_sampling_options
+    from impasto.sampling import get_sampler
+
+    plain = model_sampling_options(build_config(tiny_raw))
+    assert plain["spacing"] == "leading" and plain["prediction_type"] == "epsilon"
+    tiny_raw["objective"] = {"prediction_type": "v_prediction", "zero_terminal_snr": True}
+    options = model_sampling_options(build_config(tiny_raw))
+    assert options["spacing"] == "trailing" and options["prediction_type"] == "v_prediction"
+    timesteps, sigmas = get_sampler("euler").schedule(
+        30, options["alphas_cumprod"], options["spacing"], 1
+    )
+    assert timesteps[0] == 999 and sigmas[0].item() == pytest.approx(20000, rel=1e-5)
+    assert model_sampling_options(build_config(tiny_raw), "leading")["spacing"] == "leading"
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [
+        {"prediction_type": "v_prediction", "zero_terminal_snr": True, "loss_weighting": "min_snr"},
+        {"noise_offset": 0.1, "input_perturbation": 0.1, "loss": "pseudo_huber"},
+    ],
+)
+def test_tiny_run_learns_under_other_objectives(tiny_raw, objective):
+    import json
+
+    from impasto.config import build_config
+    from impasto.train.trainer import train
+
+    tiny_raw["objective"] = objective
+    tiny_raw["train"]["max_steps"] = 30
+    tiny_raw["optim"]["lr"] = 2e-3
+    tiny_raw["checkpoint"]["every_steps"] = 30
+    result = train(build_config(tiny_raw))
+    lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in lines]
+    assert all(math.isfinite(loss) for loss in losses)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.9 * first, (first, last)

@@ -39,6 +39,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         num_steps=args.steps,
         guidance_scale=args.cfg,
         sampler=args.sampler,
+        spacing=args.spacing,
         size=args.size,
     )
     for path in sample_checkpoint(args.checkpoint, request, args.out):
@@ -114,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--steps", type=int, default=30)
     sample.add_argument("--cfg", type=float, default=5.0, help="classifier-free guidance scale")
     sample.add_argument("--sampler", default="euler", help="euler or ddim")
+    sample.add_argument(
+        "--spacing",
+        choices=("leading", "trailing", "linspace"),
+        help="timestep spacing (default: the run's sample.spacing; trailing with zero terminal "
+        "SNR, else leading)",
+    )
     sample.add_argument("--size", type=int, default=None, help="default: the training resolution")
     sample.add_argument("--out", required=True, help="output folder for the PNGs")
     sample.set_defaults(func=cmd_sample)

@@ -18,7 +18,7 @@ import torch
 from impasto.checkpoint.trained import load_trained
 from impasto.data.demo import DEMO_COLORS, DEMO_SHAPES, demo_caption
 from impasto.data.demo_eval import read_demo_image
-from impasto.objectives import training_alphas_cumprod
+from impasto.inference import model_sampling_options
 from impasto.sampling import generate, to_pil
 
 BACKGROUNDS = ("white", "black", "gray")
@@ -72,8 +72,7 @@ def score_demo_checkpoint(
             seed=FIRST_SEED,
             height=config.data.resolution,
             width=config.data.resolution,
-            prediction_type=config.objective.prediction_type,
-            alphas_cumprod=training_alphas_cumprod(config.objective),
+            **model_sampling_options(config),
         )
     colors, shapes = Counter(), Counter()
     for index, image in enumerate(to_pil(images)):

@@ -9,8 +9,26 @@ from pathlib import Path
 from PIL.PngImagePlugin import PngInfo
 
 from impasto.checkpoint.trained import load_trained
+from impasto.config import Config
 from impasto.objectives import training_alphas_cumprod
 from impasto.sampling import generate, to_pil
+
+
+def model_sampling_options(config: Config, spacing: str | None = None) -> dict:
+    """The ``generate`` options fixed by how the model was trained: its prediction type, its
+    schedule, and the timestep spacing (default: ``sample.spacing``; unset, trailing for a
+    zero-terminal-SNR schedule, so sampling starts at the terminal σ (Lin et al. 2023, §3.3),
+    else SDXL's leading).
+    """
+    objective = config.objective
+    spacing = spacing or config.sample.spacing
+    if spacing is None:
+        spacing = "trailing" if objective.zero_terminal_snr else "leading"
+    return {
+        "prediction_type": objective.prediction_type,
+        "alphas_cumprod": training_alphas_cumprod(objective),
+        "spacing": spacing,
+    }
 
 
 @dataclass(frozen=True)
@@ -23,6 +41,7 @@ class SampleRequest:
     guidance_scale: float = 5.0
     sampler: str = "euler"
     size: int | None = None  # default: the checkpoint's data.resolution
+    spacing: str | None = None  # default: see model_sampling_options
 
 
 def _slug(text: str) -> str:
@@ -61,8 +80,7 @@ def sample_checkpoint(
             seed=request.seed,
             height=size,
             width=size,
-            prediction_type=config.objective.prediction_type,
-            alphas_cumprod=training_alphas_cumprod(config.objective),
+            **model_sampling_options(config, request.spacing),
         )
         for offset, image in enumerate(to_pil(images)):
             seed = request.seed + offset

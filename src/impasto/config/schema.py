@@ -248,6 +248,9 @@ class SampleConfig(Section):
     num_steps: int = Field(30, ge=1)
     guidance_scale: float = Field(5.0, ge=0)
     sampler: str = "euler"
+    spacing: Literal["leading", "trailing", "linspace"] | None = Field(
+        None, description="default: trailing with zero terminal SNR, else leading (SDXL)"
+    )
     seed: int = Field(0, ge=0)
     resolution: int | None = Field(None, ge=8, description="default: data.resolution")
 

@@ -100,7 +100,7 @@ class Trainer:
                     progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
                 if self.should_sample():
                     path, grid = write_validation_grid(
-                        config, self.models, self.objective.alphas_cumprod, self.run_dir, state.step
+                        config, self.models, self.run_dir, state.step
                     )
                     metrics.log_image("samples", grid, state.step)
                     progress.write(f"impasto: samples at step {state.step}: {path}")

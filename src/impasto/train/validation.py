@@ -10,11 +10,12 @@ import torch
 from torch import Tensor
 
 from impasto.config import Config
+from impasto.inference import model_sampling_options
 from impasto.models import SDXLComponents
 from impasto.sampling import generate, make_grid
 
 
-def sample_grid(config: Config, models: SDXLComponents, alphas_cumprod: Tensor) -> Tensor:
+def sample_grid(config: Config, models: SDXLComponents) -> Tensor:
     """``images_per_prompt`` samples of every validation prompt, ``[N, 3, H, W]`` in [0, 1]."""
     sample = config.sample
     resolution = sample.resolution or config.data.resolution
@@ -29,8 +30,7 @@ def sample_grid(config: Config, models: SDXLComponents, alphas_cumprod: Tensor) 
         seed=sample.seed,
         height=resolution,
         width=resolution,
-        prediction_type=config.objective.prediction_type,
-        alphas_cumprod=alphas_cumprod,
+        **model_sampling_options(config),
     )
 
 
@@ -40,10 +40,10 @@ def grid_columns(num_prompts: int, images_per_prompt: int) -> int:
 
 
 def write_validation_grid(
-    config: Config, models: SDXLComponents, alphas_cumprod: Tensor, run_dir: Path, step: int
+    config: Config, models: SDXLComponents, run_dir: Path, step: int
 ) -> tuple[Path, Tensor]:
     """Render the grid and save it as ``RUN/samples/step-XXXXXXXX.png``; returns (path, CHW)."""
-    images = sample_grid(config, models, alphas_cumprod)
+    images = sample_grid(config, models)
     columns = grid_columns(len(config.sample.prompts), config.sample.images_per_prompt)
     grid = make_grid(images, nrow=columns)
     path = run_dir / "samples" / f"step-{step:08d}.png"
