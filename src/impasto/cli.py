@@ -55,6 +55,19 @@ def cmd_data_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect_objective(args: argparse.Namespace) -> int:
+    import json
+
+    from impasto.config import load_config
+    from impasto.inspect_objective import format_rows, objective_rows, plot_rows
+
+    rows = objective_rows(load_config(args.config, args.set or []).objective)
+    print(json.dumps(rows) if args.json else format_rows(rows))
+    if args.plot:
+        print(f"impasto: plot written to {plot_rows(rows, args.plot)}", file=sys.stderr)
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from impasto.doctor import environment_report
 
@@ -130,6 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     train_vae = sub.add_parser("train-vae", help="train the tiny demo VAE on an image folder")
     add_train_vae_arguments(train_vae)
     train_vae.set_defaults(func=cmd_train_vae)
+
+    inspect = sub.add_parser("inspect", help="show what a config does")
+    inspect_sub = inspect.add_subparsers(dest="what", required=True)
+    objective = inspect_sub.add_parser(
+        "objective", help="per timestep: t, sigma, SNR, sampling probability, loss weight"
+    )
+    objective.add_argument("config", help="YAML config file")
+    objective.add_argument("--set", action="append", metavar="KEY=VALUE", help="override")
+    objective.add_argument("--json", action="store_true", help="a JSON list of row objects")
+    objective.add_argument("--plot", metavar="FILE.png", help="also draw the curves")
+    objective.set_defaults(func=cmd_inspect_objective)
 
     sub.add_parser("doctor", help="report the environment").set_defaults(func=cmd_doctor)
     for name, issue, help_text in (
