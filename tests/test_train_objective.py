@@ -131,3 +131,33 @@ def test_tiny_run_learns_under_other_objectives(tiny_raw, objective):
     assert all(math.isfinite(loss) for loss in losses)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.9 * first, (first, last)
+
+
+def test_vpred_ztsnr_preset_runs_on_the_tiny_model(tmp_path, demo_folder):
+    from pathlib import Path
+
+    from impasto.config import load_config
+    from impasto.inference import model_sampling_options
+    from impasto.train.trainer import train
+
+    preset = Path(__file__).parents[1] / "configs" / "sdxl-vpred-ztsnr.yaml"
+    overrides = [
+        "model.path=null",
+        "model.preset=tiny",
+        f"data.path={demo_folder}",
+        "data.resolution=64",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.max_steps=2",
+        "checkpoint.every_steps=2",
+        "sample.every_steps=2",
+        "sample.num_steps=3",
+        "log.progress_bar=false",
+    ]
+    config = load_config(preset, overrides)
+    objective = config.objective
+    assert (objective.prediction_type, objective.zero_terminal_snr) == ("v_prediction", True)
+    assert (objective.terminal_sigma, objective.loss_weighting) == (20000.0, "min_snr")
+    assert model_sampling_options(config)["spacing"] == "trailing"
+    result = train(config)
+    assert result.state.step == 2
+    assert (result.run_dir / "samples" / "step-00000002.png").is_file()
