@@ -100,10 +100,15 @@ def test_schedule_matches_diffusers_schedulers():
     )
 
 
+def _x0_noise(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 4, 8, 8, generator=generator), torch.randn(
+        4, 4, 8, 8, generator=generator
+    )
+
+
 def test_add_noise_matches_ddpm_scheduler():
-    generator = torch.Generator().manual_seed(0)
-    x0 = torch.randn(4, 4, 8, 8, generator=generator)
-    noise = torch.randn(4, 4, 8, 8, generator=generator)
+    x0, noise = _x0_noise(0)
     timesteps = torch.tensor([0, 17, 500, 999])
     expected = DDPMScheduler(**SDXL).add_noise(x0, noise, timesteps)
     torch.testing.assert_close(add_noise(x0, noise, timesteps, _sdxl_alphas_cumprod()), expected)
@@ -124,9 +129,7 @@ def test_mse_loss_is_per_sample():
 
 
 def test_v_prediction_target_equals_diffusers_velocity():
-    generator = torch.Generator().manual_seed(1)
-    x0 = torch.randn(4, 4, 8, 8, generator=generator)
-    noise = torch.randn(4, 4, 8, 8, generator=generator)
+    x0, noise = _x0_noise(1)
     timesteps = torch.tensor([0, 17, 500, 999])
     expected = DDPMScheduler(**SDXL).get_velocity(x0, noise, timesteps)
     ours = PREDICTION_TARGETS["v_prediction"](x0, noise, timesteps, _sdxl_alphas_cumprod())

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from impasto.config import build_config, load_config
 from impasto.config.schema import ObjectiveConfig
+from impasto.inference import model_sampling_options
 from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas
+from impasto.sampling import get_sampler
 from impasto.train.step import Objective
+from impasto.train.trainer import train
 
 
 def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,10 +98,6 @@ def test_uniform_window_and_zero_terminal_snr_schedule():
 
 
 def test_zero_terminal_snr_sampling_starts_at_the_terminal_sigma(tiny_raw):
-    from impasto.config import build_config
-    from impasto.inference import model_sampling_options
-    from impasto.sampling import get_sampler
-
     plain = model_sampling_options(build_config(tiny_raw))
     assert plain["spacing"] == "leading" and plain["prediction_type"] == "epsilon"
     tiny_raw["objective"] = {"prediction_type": "v_prediction", "zero_terminal_snr": True}
@@ -116,11 +118,6 @@ def test_zero_terminal_snr_sampling_starts_at_the_terminal_sigma(tiny_raw):
     ],
 )
 def test_tiny_run_learns_under_other_objectives(tiny_raw, objective):
-    import json
-
-    from impasto.config import build_config
-    from impasto.train.trainer import train
-
     tiny_raw["objective"] = objective
     tiny_raw["train"]["max_steps"] = 30
     tiny_raw["optim"]["lr"] = 2e-3
@@ -134,12 +131,6 @@ def test_tiny_run_learns_under_other_objectives(tiny_raw, objective):
 
 
 def test_vpred_ztsnr_preset_runs_on_the_tiny_model(tmp_path, demo_folder):
-    from pathlib import Path
-
-    from impasto.config import load_config
-    from impasto.inference import model_sampling_options
-    from impasto.train.trainer import train
-
     preset = Path(__file__).parents[1] / "configs" / "sdxl-vpred-ztsnr.yaml"
     overrides = [
         "model.path=null",

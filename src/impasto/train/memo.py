@@ -36,15 +36,16 @@ class EncodingMemo:
     def posterior(self, models: SDXLComponents, batch: Batch) -> tuple[Tensor, Tensor]:
         """The VAE posterior's mean and std ``[B, C, h, w]`` of the batch's images."""
         vae = models.vae
-        pixels = batch.pixel_values.to(vae.device, vae.dtype)
         if not self.latents:
-            posterior = vae.encode(pixels).latent_dist
+            posterior = vae.encode(batch.pixel_values.to(vae.device, vae.dtype)).latent_dist
             return posterior.mean, posterior.std
-        for row, index in enumerate(batch.indices.tolist()):
-            if index not in self._posteriors:
-                posterior = vae.encode(pixels[row : row + 1]).latent_dist
+        indices = batch.indices.tolist()
+        for row, index in enumerate(indices):
+            if index not in self._posteriors:  # only new images go to the device
+                pixels = batch.pixel_values[row : row + 1].to(vae.device, vae.dtype)
+                posterior = vae.encode(pixels).latent_dist
                 self._posteriors[index] = (posterior.mean[0].cpu(), posterior.std[0].cpu())
-        means, stds = zip(*(self._posteriors[i] for i in batch.indices.tolist()), strict=True)
+        means, stds = zip(*(self._posteriors[i] for i in indices), strict=True)
         return torch.stack(means).to(vae.device), torch.stack(stds).to(vae.device)
 
     def prompts(
