@@ -54,3 +54,29 @@ def test_bad_objective_is_one_line(tiny_raw, tmp_path, capsys):
     code, out = _inspect(tiny_raw, tmp_path, capsys, {"zero_terminal_snr": True})
     assert code == 2 and out.err.count("\n") == 1
     assert "zero_terminal_snr needs prediction_type: v_prediction" in out.err
+
+
+def test_flow_rows_on_a_grid_of_t(tiny_raw, tmp_path, capsys):
+    objective = {
+        "prediction_type": "flow",
+        "timestep_sampling": "logit_normal",
+        "flow_shift": 3.0,
+        "loss_weighting": "sigma_sqrt",
+    }
+    code, out = _inspect(tiny_raw, tmp_path, capsys, objective, "--json")
+    rows = json.loads(out.out)
+    assert code == 0 and len(rows) == 1000
+    assert [rows[0]["t"], rows[-1]["t"]] == [0.0005, 0.9995]  # midpoints of (0, 1)
+    assert sum(row["prob"] for row in rows) / 1000 == pytest.approx(1.0, abs=1e-3)
+    for row in rows[::111]:
+        t = row["t"]
+        assert row["sigma"] == pytest.approx(t / (1 - t))
+        assert row["snr"] == pytest.approx(((1 - t) / t) ** 2)
+        assert row["weight"] == pytest.approx(t**-2, rel=1e-6)
+    # Shift 3 moves the logit-normal's median from t = ½ to 3·½/(1 + 2·½) = 0.75.
+    cumulative = 0.0
+    for row in rows:
+        cumulative += row["prob"] / 1000
+        if cumulative >= 0.5:
+            break
+    assert row["t"] == pytest.approx(0.75, abs=2e-3)

@@ -11,21 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from diffusers import DDPMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import DDPMScheduler, EulerDiscreteScheduler
 from diffusers.schedulers.scheduling_ddpm import (
     rescale_zero_terminal_snr as diffusers_rescale_zero_terminal_snr,
 )
 from diffusers.training_utils import (
-    compute_density_for_timestep_sampling,
-    compute_loss_weighting_for_sd3,
     compute_snr,
 )
 
 from impasto.objectives import (
     DEFAULT_TERMINAL_SIGMA,
-    FLOW_LOSS_WEIGHTINGS,
-    FLOW_TIME_DENSITIES,
-    FLOW_TIME_SAMPLERS,
     HUBER_C_SCHEDULES,
     LOSS_WEIGHTINGS,
     LOSSES,
@@ -33,26 +28,19 @@ from impasto.objectives import (
     SCHEDULES,
     TIMESTEP_PROBABILITIES,
     TIMESTEP_SAMPLERS,
-    add_flow_noise,
     add_noise,
     alphas_cumprod_from_betas,
     alphas_cumprod_from_sigmas,
-    cosmap_density,
     finite_terminal_alphas_cumprod,
     finite_terminal_sigmas,
     flow_snr,
-    flow_target,
-    flow_unet_timesteps,
     karras_sigmas,
-    logit_normal_density,
-    mode_density,
     mse_loss,
     offset_noise,
     perturb_noise,
     pyramid_noise,
     rescale_zero_terminal_snr,
     scaled_linear_betas,
-    shift_flow_times,
     sigma_to_timestep,
     sigmas_from_alphas_cumprod,
     snr_from_alphas_cumprod,
@@ -232,111 +220,6 @@ def test_timestep_to_sigma_inverts_sigma_to_timestep():
     torch.testing.assert_close(midpoint[0], (sigmas_train[17] * sigmas_train[18]).sqrt())
 
 
-# --- flow matching -----------------------------------------------------------------------------
-
-
-def test_flow_shift_noising_and_unet_time_match_flow_match_euler():
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-    unshifted = torch.linspace(1, 1000, 1000).flip(0) / 1000
-    torch.testing.assert_close(shift_flow_times(unshifted, 3.0), scheduler.sigmas)
-    torch.testing.assert_close(flow_unet_timesteps(scheduler.sigmas), scheduler.timesteps)
-    assert shift_flow_times(torch.tensor([0.5]), 3.0).item() == pytest.approx(0.75)
-
-    generator = torch.Generator().manual_seed(2)
-    x0 = torch.randn(4, 4, 8, 8, generator=generator)
-    noise = torch.randn(4, 4, 8, 8, generator=generator)
-    index = torch.tensor([0, 100, 500, 999])
-    expected = scheduler.scale_noise(x0, scheduler.timesteps[index], noise)
-    noisy = add_flow_noise(x0, noise, scheduler.sigmas[index])
-    torch.testing.assert_close(noisy, expected)
-    # The target is the velocity: x0 = x_t − t·(ε − x0).
-    t = scheduler.sigmas[index].view(-1, 1, 1, 1)
-    torch.testing.assert_close(noisy - t * flow_target(x0, noise), x0, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError):
-        shift_flow_times(unshifted, 0.0)
-
-
-def test_flow_snr():
-    t = torch.tensor([0.5, 0.2, 1.0])
-    torch.testing.assert_close(flow_snr(t), torch.tensor([1.0, 16.0, 0.0]))
-
-
-def test_flow_time_samplers_draw_as_diffusers():
-    cases = [
-        ("logit_normal", {"mean": 0.0, "std": 1.0}, {"logit_mean": 0.0, "logit_std": 1.0}),
-        ("logit_normal", {"mean": 0.5, "std": 1.3}, {"logit_mean": 0.5, "logit_std": 1.3}),
-        ("mode", {"scale": 1.29}, {"mode_scale": 1.29}),
-    ]
-    for name, params, diffusers_params in cases:
-        generator = torch.Generator().manual_seed(5)
-        expected = compute_density_for_timestep_sampling(
-            name, 4096, generator=generator, **diffusers_params
-        )
-        ours = FLOW_TIME_SAMPLERS[name](4096, torch.Generator().manual_seed(5), CPU, **params)
-        torch.testing.assert_close(ours, expected)
-
-
-def test_flow_time_densities_closed_form_and_normalised():
-    half = torch.tensor([0.5], dtype=torch.float64)
-    # Logit-normal (0, 1) at t = ½: 1/sqrt(2π) · 1/(½·½) = 4/sqrt(2π).
-    assert logit_normal_density(half).item() == pytest.approx(4 / math.sqrt(2 * math.pi))
-    t, mean, std = 0.25, 0.5, 1.3
-    closed = math.exp(-((math.log(t / (1 - t)) - mean) ** 2) / (2 * std**2)) / (
-        std * math.sqrt(2 * math.pi) * t * (1 - t)
-    )
-    value = logit_normal_density(torch.tensor([t], dtype=torch.float64), mean=mean, std=std)
-    assert value.item() == pytest.approx(closed, rel=1e-12)
-    # Mode: f(½) = ½ for any s, and there π = 1/|f'(½)| = 1/(1 + s − sπ/2).
-    assert mode_density(half, scale=1.29).item() == pytest.approx(
-        1 / (1 + 1.29 - 1.29 * math.pi / 2)
-    )
-    inner = torch.linspace(0.01, 0.99, 99, dtype=torch.float64)
-    torch.testing.assert_close(mode_density(inner, scale=0.0), torch.ones_like(inner))  # s = 0: U
-    # Cosmap: π(t) = 2/(π(1 − 2t + 2t²)) = 4/π at t = ½.
-    assert cosmap_density(half).item() == pytest.approx(4 / math.pi)
-    grid = torch.linspace(0, 1, 200_001, dtype=torch.float64)
-    for name, params in [
-        ("uniform", {}),
-        ("logit_normal", {}),
-        ("logit_normal", {"mean": 1.0, "std": 0.5}),
-        ("mode", {"scale": 1.29}),
-        ("mode", {"scale": -0.5}),
-        ("cosmap", {}),
-    ]:
-        area = torch.trapezoid(FLOW_TIME_DENSITIES[name](grid, **params), grid).item()
-        assert area == pytest.approx(1.0, abs=1e-6), (name, params)
-
-
-@pytest.mark.parametrize(
-    ("name", "params"),
-    [
-        ("uniform", {}),
-        ("logit_normal", {"mean": 0.3, "std": 0.8}),
-        ("mode", {"scale": 1.29}),
-        ("cosmap", {}),
-    ],
-)
-def test_flow_time_samplers_follow_their_densities(name, params):
-    num_draws = 100_000
-    t = FLOW_TIME_SAMPLERS[name](num_draws, torch.Generator().manual_seed(11), CPU, **params)
-    assert t.dtype == torch.float32 and t.min() > 0 and t.max() <= 1
-    grid = torch.linspace(0, 1, 100_001, dtype=torch.float64)
-    cdf = torch.cumulative_trapezoid(FLOW_TIME_DENSITIES[name](grid, **params), grid)
-    for point in (0.1, 0.3, 0.5, 0.7, 0.9):
-        expected = cdf[int(point * 100_000) - 1].item()
-        empirical = (t.double() <= point).double().mean().item()
-        # Binomial standard error of an empirical CDF value; 5 SE, plus quadrature error.
-        tolerance = 5 * math.sqrt(expected * (1 - expected) / num_draws) + 1e-5
-        assert abs(empirical - expected) < tolerance, (point, empirical, expected)
-
-
-def test_mode_scale_outside_monotone_range_raises():
-    with pytest.raises(ValueError, match="mode scale"):
-        FLOW_TIME_SAMPLERS["mode"](4, torch.Generator(), CPU, scale=1.8)
-    with pytest.raises(ValueError, match="mode scale"):
-        mode_density(torch.tensor([0.5]), scale=-1.1)
-
-
 # --- integer timestep sampling -----------------------------------------------------------------
 
 
@@ -478,17 +361,6 @@ def test_weightings_put_the_same_weight_on_the_x0_error_for_every_prediction_typ
         min_snr_weights(snr, "velocity")
 
 
-def test_flow_loss_weightings_match_diffusers_sd3():
-    t = torch.tensor([0.01, 0.2, 0.5, 0.9, 1.0])
-    for name in ("sigma_sqrt", "cosmap", "none"):
-        torch.testing.assert_close(
-            FLOW_LOSS_WEIGHTINGS[name](t), compute_loss_weighting_for_sd3(name, t)
-        )
-    torch.testing.assert_close(
-        FLOW_LOSS_WEIGHTINGS["sigma_sqrt"](torch.tensor([0.5])), torch.tensor([4.0])
-    )
-
-
 # --- noise tricks ------------------------------------------------------------------------------
 
 
@@ -588,15 +460,14 @@ def test_masked_loss_is_the_mean_over_the_mask():
 
 
 def test_huber_c_schedules_by_hand():
-    timesteps = torch.tensor([0, 500, 999])
-    alphas_cumprod = _sdxl_alphas_cumprod()
+    fraction = torch.tensor([0, 500, 999]) / 1000
+    sigma = torch.tensor([0.0, 1.0, 2.0])
     torch.testing.assert_close(
-        HUBER_C_SCHEDULES["constant"](timesteps, alphas_cumprod, 0.1), torch.full((3,), 0.1)
+        HUBER_C_SCHEDULES["constant"](fraction, sigma, 0.1), torch.full((3,), 0.1)
     )
     # kohya exponential: exp(−αt), α = −ln(c)/T, so c^{t/T}: 1 at t = 0, sqrt(c) at T/2.
-    exponential = HUBER_C_SCHEDULES["exponential"](timesteps, alphas_cumprod, 0.1)
+    exponential = HUBER_C_SCHEDULES["exponential"](fraction, sigma, 0.1)
     torch.testing.assert_close(exponential, torch.tensor([1.0, 0.1**0.5, 0.1**0.999]))
-    # kohya snr: (1 − c)/(1 + σ)² + c; σ = 1 at ᾱ = ½, σ = 2 at ᾱ = 0.2.
-    toy = torch.tensor([0.5, 0.2], dtype=torch.float64)
-    snr = HUBER_C_SCHEDULES["snr"](torch.tensor([0, 1]), toy, 0.1)
-    torch.testing.assert_close(snr, torch.tensor([0.9 / 4 + 0.1, 0.9 / 9 + 0.1]))
+    # kohya snr: (1 − c)/(1 + σ)² + c.
+    snr = HUBER_C_SCHEDULES["snr"](fraction, sigma, 0.1)
+    torch.testing.assert_close(snr, torch.tensor([1.0, 0.9 / 4 + 0.1, 0.9 / 9 + 0.1]))

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from impasto.checkpoint.trained import read_model_metadata
 from impasto.config import build_config, load_config
 from impasto.config.schema import ObjectiveConfig
 from impasto.inference import model_sampling_options
 from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas
+from impasto.objectives.objective import Objective
 from impasto.sampling import get_sampler
-from impasto.train.step import Objective
 from impasto.train.trainer import train
 
 
@@ -78,7 +79,7 @@ def test_timestep_bias_later_draws_the_last_quarter_ten_times_as_often():
     objective = Objective.from_config(
         ObjectiveConfig(timestep_sampling="timestep_bias", timestep_bias=bias)
     )
-    draws = objective.sample_timesteps(20000, torch.Generator().manual_seed(7), torch.device("cpu"))
+    draws = objective.sample_times(20000, torch.Generator().manual_seed(7), torch.device("cpu"))
     late = (draws >= 750).float().mean().item()
     p = 10 * 250 / (10 * 250 + 750)  # 0.769
     assert abs(late - p) < 5 * math.sqrt(p * (1 - p) / 20000)
@@ -86,7 +87,7 @@ def test_timestep_bias_later_draws_the_last_quarter_ten_times_as_often():
 
 def test_uniform_window_and_zero_terminal_snr_schedule():
     objective = Objective.from_config(ObjectiveConfig(min_timestep=200, max_timestep=400))
-    draws = objective.sample_timesteps(5000, torch.Generator().manual_seed(8), torch.device("cpu"))
+    draws = objective.sample_times(5000, torch.Generator().manual_seed(8), torch.device("cpu"))
     assert draws.min() == 200 and draws.max() == 399
     ztsnr = Objective.from_config(
         ObjectiveConfig(
@@ -115,6 +116,7 @@ def test_zero_terminal_snr_sampling_starts_at_the_terminal_sigma(tiny_raw):
     [
         {"prediction_type": "v_prediction", "zero_terminal_snr": True, "loss_weighting": "min_snr"},
         {"noise_offset": 0.1, "input_perturbation": 0.1, "loss": "pseudo_huber"},
+        {"prediction_type": "flow", "timestep_sampling": "logit_normal", "flow_shift": 3.0},
     ],
 )
 def test_tiny_run_learns_under_other_objectives(tiny_raw, objective):
@@ -152,3 +154,7 @@ def test_vpred_ztsnr_preset_runs_on_the_tiny_model(tmp_path, demo_folder):
     result = train(config)
     assert result.state.step == 2
     assert (result.run_dir / "samples" / "step-00000002.png").is_file()
+    metadata = read_model_metadata(result.run_dir)
+    assert metadata["impasto.prediction_type"] == "v_prediction"
+    assert metadata["impasto.zero_terminal_snr"] == "true"
+    assert float(metadata["impasto.terminal_sigma"]) == 20000.0

@@ -61,7 +61,9 @@ def cmd_inspect_objective(args: argparse.Namespace) -> int:
     from impasto.config import load_config
     from impasto.inspect_objective import format_rows, objective_rows, plot_rows
 
-    rows = objective_rows(load_config(args.config, args.set or []).objective)
+    config = load_config(args.config, args.set or [])
+    size = config.data.resolution
+    rows = objective_rows(config.objective, image_size=(size, size))
     print(json.dumps(rows) if args.json else format_rows(rows))
     if args.plot:
         print(f"impasto: plot written to {plot_rows(rows, args.plot)}", file=sys.stderr)

@@ -9,41 +9,57 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
 from PIL import Image, ImageDraw
 
 from impasto.config.schema import ObjectiveConfig
 from impasto.objectives import (
-    LOSS_WEIGHTINGS,
+    FLOW_TIME_DENSITIES,
     TIMESTEP_PROBABILITIES,
+    shift_for_size,
+    shifted_flow_density,
     sigmas_from_alphas_cumprod,
-    snr_from_alphas_cumprod,
-    training_alphas_cumprod,
 )
+from impasto.objectives.objective import Objective
 
 COLUMNS = ("t", "sigma", "snr", "prob", "weight")
 
 
-def objective_rows(objective: ObjectiveConfig) -> list[dict[str, float]]:
-    """One row per training timestep: t, σ_t, SNR_t, P(t) and the loss weight at t."""
-    alphas_cumprod = training_alphas_cumprod(objective)
-    num_steps = alphas_cumprod.shape[0]
-    sigmas = sigmas_from_alphas_cumprod(alphas_cumprod)
-    snr = snr_from_alphas_cumprod(alphas_cumprod)
-    probabilities = TIMESTEP_PROBABILITIES[objective.timestep_sampling](
-        num_steps, **objective.timestep_sampler_params()
-    )
-    weights = LOSS_WEIGHTINGS[objective.loss_weighting](
-        snr, objective.prediction_type, **objective.loss_weighting_params()
-    )
+def objective_rows(
+    objective: ObjectiveConfig, image_size: tuple[int, int] | None = None
+) -> list[dict[str, float]]:
+    """One row per training timestep (flow: per point of a grid of T midpoints in (0, 1)).
+
+    Columns: t; σ, the VE noise level 1/sqrt(SNR) (for flow t/(1 − t), not diffusers' flow
+    "sigma", which is t itself); SNR; the sampling probability P(t) (for flow the density of the
+    shifted t, at ``image_size`` (H, W) when ``flow_shift_resolution`` is set); the loss weight.
+    """
+    resolved = Objective.from_config(objective)
+    num_steps = objective.num_train_timesteps
+    params = objective.timestep_sampler_params()
+    if objective.is_flow:
+        times = (torch.arange(num_steps, dtype=torch.float64) + 0.5) / num_steps
+        height, width = image_size or (0, 0)
+        shift = shift_for_size(objective.flow_shift, height, width, objective.flow_shift_resolution)
+        density = FLOW_TIME_DENSITIES[objective.timestep_sampling]
+        probabilities = shifted_flow_density(density, times, shift, **params)
+        snr = resolved.snr(times)
+        sigmas = snr.rsqrt()
+    else:
+        times = torch.arange(num_steps)
+        probabilities = TIMESTEP_PROBABILITIES[objective.timestep_sampling](num_steps, **params)
+        snr = resolved.snr(times)
+        sigmas = sigmas_from_alphas_cumprod(resolved.alphas_cumprod)
+    weights = resolved.loss_weights(times, snr)
     return [
         {
-            "t": t,
-            "sigma": sigmas[t].item(),
-            "snr": snr[t].item(),
-            "prob": probabilities[t].item(),
-            "weight": weights[t].item(),
+            "t": times[i].item(),
+            "sigma": sigmas[i].item(),
+            "snr": snr[i].item(),
+            "prob": probabilities[i].item(),
+            "weight": weights[i].item(),
         }
-        for t in range(num_steps)
+        for i in range(num_steps)
     ]
 
 
@@ -52,7 +68,7 @@ def format_rows(rows: list[dict[str, float]]) -> str:
     lines = [f"{'t':>5} {'sigma':>12} {'snr':>12} {'prob':>12} {'weight':>12}"]
     for row in rows:
         lines.append(
-            f"{row['t']:>5} {row['sigma']:>12.6g} {row['snr']:>12.6g} "
+            f"{row['t']:>5.4g} {row['sigma']:>12.6g} {row['snr']:>12.6g} "
             f"{row['prob']:>12.6g} {row['weight']:>12.6g}"
         )
     return "\n".join(lines)
@@ -72,7 +88,7 @@ def plot_rows(rows: list[dict[str, float]], path: str | Path) -> Path:
     width, height = PANEL_WIDTH + 2 * MARGIN, len(panels) * (PANEL_HEIGHT + MARGIN) + MARGIN
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
-    last_t = max(len(rows) - 1, 1)
+    last_index = max(len(rows) - 1, 1)
     for index, (title, values) in enumerate(panels):
         top = MARGIN + index * (PANEL_HEIGHT + MARGIN)
         low, high = min(values), max(values)
@@ -83,13 +99,14 @@ def plot_rows(rows: list[dict[str, float]], path: str | Path) -> Path:
         draw.text((MARGIN, top - 14), f"{title}  [{low:.4g}, {high:.4g}]", fill="black")
         points = [
             (
-                MARGIN + PANEL_WIDTH * t / last_t,
+                MARGIN + PANEL_WIDTH * index / last_index,
                 top + PANEL_HEIGHT * (1 - (value - low) / span),
             )
-            for t, value in enumerate(values)
+            for index, value in enumerate(values)
         ]
         draw.line(points, fill=(30, 90, 200), width=2)
-    draw.text((MARGIN, height - 16), f"t = 0 ... {last_t}", fill="black")
+    first_t, last_t = rows[0]["t"], rows[-1]["t"]
+    draw.text((MARGIN, height - 16), f"t = {first_t:.4g} ... {last_t:.4g}", fill="black")
     path = Path(path)
     image.save(path)
     return path

@@ -2,7 +2,8 @@
 
 A checkpoint is a directory ``RUN/checkpoints/step-XXXXXXXX/`` holding:
 
-- ``*.safetensors``: model weights, one file per trainable module;
+- ``*.safetensors``: model weights, one file per trainable module, with string metadata in
+  the safetensors header (what kind of model it is: ``impasto.prediction_type`` …);
 - ``*.pt``: optimizer and RNG states (``torch.save``, read back with ``weights_only=True``);
 - ``state.json``: counters, data position and anything else JSON-serialisable;
 - ``config.yaml``: the resolved config, with its hash in ``state.json``.
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -39,6 +40,7 @@ class CheckpointData:
     objects: dict[str, Any] = field(default_factory=dict)  # → NAME.pt
     state: dict[str, Any] = field(default_factory=dict)  # → state.json
     texts: dict[str, str] = field(default_factory=dict)  # → NAME (e.g. config.yaml)
+    metadata: dict[str, dict[str, str]] = field(default_factory=dict)  # NAME.safetensors header
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
@@ -68,7 +70,8 @@ def save_checkpoint(root: Path, step: int, data: CheckpointData, keep_last: int)
     try:
         tmp.mkdir()
         for name, tensors in data.tensors.items():
-            save_file(_contiguous(tensors), tmp / f"{name}.safetensors")
+            path = tmp / f"{name}.safetensors"
+            save_file(_contiguous(tensors), path, metadata=data.metadata.get(name))
         for name, obj in data.objects.items():
             torch.save(obj, tmp / f"{name}.pt")
         for name, text in data.texts.items():
@@ -96,6 +99,8 @@ def load_checkpoint(path: Path) -> CheckpointData:
         try:
             if file.suffix == ".safetensors":
                 data.tensors[file.stem] = load_file(file)
+                with safe_open(file, framework="pt") as handle:
+                    data.metadata[file.stem] = handle.metadata() or {}
             elif file.suffix == ".pt":
                 data.objects[file.stem] = torch.load(file, map_location="cpu", weights_only=True)
             elif file.name == STATE_FILE:

@@ -9,12 +9,48 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from impasto.checkpoint.state import STATE_FILE, latest_checkpoint
 from impasto.config import Config, build_config
 from impasto.models import SDXLComponents, load_components
+
+
+def model_metadata(config: Config) -> dict[str, str]:
+    """What kind of model a run trains, as safetensors header strings (``impasto.*`` keys).
+
+    Exporters read this to mark v-prediction, zero-terminal-SNR and flow models in the formats
+    other tools load (the UNet weights alone do not say how to sample them).
+    """
+    objective = config.objective
+    metadata = {
+        "impasto.prediction_type": objective.prediction_type,
+        "impasto.zero_terminal_snr": str(objective.zero_terminal_snr).lower(),
+        "impasto.num_train_timesteps": str(objective.num_train_timesteps),
+    }
+    if objective.is_flow:
+        metadata["impasto.flow_shift"] = repr(objective.flow_shift)
+        if objective.flow_shift_resolution is not None:
+            metadata["impasto.flow_shift_resolution"] = str(objective.flow_shift_resolution)
+    else:
+        metadata["impasto.schedule"] = objective.schedule
+        metadata["impasto.beta_start"] = repr(objective.beta_start)
+        metadata["impasto.beta_end"] = repr(objective.beta_end)
+    if objective.zero_terminal_snr:
+        metadata["impasto.terminal_sigma"] = repr(objective.terminal_sigma)
+    return metadata
+
+
+def read_model_metadata(path: str | Path) -> dict[str, str]:
+    """The ``impasto.*`` header of a checkpoint's (or run's newest) ``unet.safetensors``."""
+    weights = resolve_checkpoint(path) / "unet.safetensors"
+    try:
+        with safe_open(weights, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"{weights}: cannot read the safetensors header ({error})") from None
+    return {key: value for key, value in metadata.items() if key.startswith("impasto.")}
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CONFIG_VERSION = 1
+FLOW = "flow"  # the prediction type of rectified flow (SD3 convention)
 
 
 class Section(BaseModel):
@@ -62,8 +63,13 @@ class ObjectiveConfig(Section):
     beta_end: float = Field(0.012, gt=0, lt=1)
     zero_terminal_snr: bool = Field(False, description="Lin et al. 2023; needs v_prediction")
     terminal_sigma: float = Field(20000.0, gt=0, description="stands in for ZTSNR's infinite σ")
-    prediction_type: str = "epsilon"
-    timestep_sampling: str = "uniform"
+    prediction_type: str = Field(
+        "epsilon", description="epsilon, v_prediction, sample (x0) or flow (rectified flow)"
+    )
+    timestep_sampling: str = Field(
+        "uniform",
+        description="DDPM: uniform, timestep_bias; flow: uniform, logit_normal, mode, cosmap",
+    )
     min_timestep: int = Field(0, ge=0, description="uniform: lowest t")
     max_timestep: int | None = Field(None, ge=1, description="uniform: exclusive; default T")
     timestep_bias: TimestepBiasConfig = Field(default_factory=TimestepBiasConfig)
@@ -79,10 +85,29 @@ class ObjectiveConfig(Section):
     loss: str = "mse"
     huber_schedule: str = "snr"
     huber_c: float = Field(0.1, gt=0, le=1)
+    logit_mean: float = Field(0.0, description="flow, logit_normal: mean of logit(t)")
+    logit_std: float = Field(1.0, gt=0, description="flow, logit_normal: std of logit(t)")
+    mode_scale: float = Field(1.29, description="flow, mode: in [-1, 1.75]")
+    flow_shift: float = Field(
+        1.0, gt=0, description="flow: t → s·t/(1 + (s − 1)·t), s > 1 towards noise; SD3: 3 at 1024²"
+    )
+    flow_shift_resolution: int | None = Field(
+        None,
+        ge=8,
+        description="flow: flow_shift holds at this side; other sizes scale it by "
+        "sqrt(H·W)/flow_shift_resolution (Esser et al. 2024); null: the same shift at every size",
+    )
+
+    @property
+    def is_flow(self) -> bool:
+        """Rectified flow (continuous t in (0, 1]) rather than a DDPM objective (integer t)."""
+        return self.prediction_type == FLOW
 
     @model_validator(mode="after")
     def _valid_combination(self) -> ObjectiveConfig:
         from impasto.objectives import (
+            FLOW_LOSS_WEIGHTINGS,
+            FLOW_TIME_SAMPLERS,
             HUBER_C_SCHEDULES,
             LOSS_WEIGHTINGS,
             LOSSES,
@@ -90,19 +115,29 @@ class ObjectiveConfig(Section):
             SCHEDULES,
             TIMESTEP_SAMPLERS,
         )
+        from impasto.objectives.timesteps import check_mode_scale
 
+        flow = self.is_flow
         for field, registry in (
             ("schedule", SCHEDULES),
-            ("prediction_type", PREDICTION_TARGETS),
-            ("timestep_sampling", TIMESTEP_SAMPLERS),
-            ("loss_weighting", LOSS_WEIGHTINGS),
+            ("prediction_type", {**PREDICTION_TARGETS, FLOW: None}),
+            ("timestep_sampling", FLOW_TIME_SAMPLERS if flow else TIMESTEP_SAMPLERS),
+            (
+                "loss_weighting",
+                {**LOSS_WEIGHTINGS, **FLOW_LOSS_WEIGHTINGS} if flow else LOSS_WEIGHTINGS,
+            ),
             ("loss", LOSSES),
             ("huber_schedule", HUBER_C_SCHEDULES),
         ):
             name = getattr(self, field)
             if name not in registry:
+                kind = (
+                    f" for prediction_type {self.prediction_type}"
+                    if field in ("timestep_sampling", "loss_weighting")
+                    else ""
+                )
                 raise ValueError(
-                    f"{field}: unknown name {name!r}; valid: {', '.join(sorted(registry))}"
+                    f"{field}: unknown name {name!r}{kind}; valid: {', '.join(sorted(registry))}"
                 )
         if self.beta_end <= self.beta_start:
             raise ValueError(
@@ -126,10 +161,29 @@ class ObjectiveConfig(Section):
             raise ValueError(
                 f"timestep_bias: need begin < end <= {T}, got {bias.begin} and {bias.end}"
             )
+        # Options of the other family must stay at their defaults (a dumped config has them all).
+        ddpm_only = ("min_timestep", "max_timestep", "timestep_bias")
+        flow_only = ("flow_shift", "flow_shift_resolution")
+        for field in ddpm_only if flow else flow_only:
+            if getattr(self, field) != type(self).model_fields[field].get_default(
+                call_default_factory=True
+            ):
+                other = "DDPM objectives (epsilon, v_prediction, sample)" if flow else "flow"
+                raise ValueError(
+                    f"{field} applies to {other} only, not prediction_type "
+                    f"{self.prediction_type}; remove it"
+                )
+        if flow and self.timestep_sampling == "mode":
+            check_mode_scale(self.mode_scale)
         return self
 
     def timestep_sampler_params(self) -> dict:
-        """Keyword arguments of ``TIMESTEP_SAMPLERS[timestep_sampling]``."""
+        """Keyword arguments of ``TIMESTEP_SAMPLERS`` (flow: ``FLOW_TIME_SAMPLERS``) entries."""
+        if self.is_flow:
+            return {
+                "logit_normal": {"mean": self.logit_mean, "std": self.logit_std},
+                "mode": {"scale": self.mode_scale},
+            }.get(self.timestep_sampling, {})
         if self.timestep_sampling == "timestep_bias":
             return self.timestep_bias.model_dump()
         return {"min_timestep": self.min_timestep, "max_timestep": self.max_timestep}

@@ -6,6 +6,9 @@ from impasto.objectives.flow import (
     flow_target,
     flow_unet_timesteps,
     shift_flow_times,
+    shift_for_size,
+    shifted_flow_density,
+    unshift_flow_times,
 )
 from impasto.objectives.losses import (
     HUBER_C_SCHEDULES,
@@ -96,6 +99,8 @@ __all__ = [
     "sample_target",
     "scaled_linear_betas",
     "shift_flow_times",
+    "shift_for_size",
+    "shifted_flow_density",
     "sigma_to_timestep",
     "sigmas_from_alphas_cumprod",
     "snr_from_alphas_cumprod",
@@ -104,5 +109,6 @@ __all__ = [
     "training_alphas_cumprod",
     "uniform_timestep_probabilities",
     "uniform_timesteps",
+    "unshift_flow_times",
     "v_prediction_target",
 ]

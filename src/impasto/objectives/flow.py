@@ -8,6 +8,8 @@ Draw t with ``FLOW_TIME_SAMPLERS``; weight the loss with ``FLOW_LOSS_WEIGHTINGS`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from impasto.objectives.noising import _per_sample
@@ -43,3 +45,30 @@ def shift_flow_times(t: Tensor, shift: float) -> Tensor:
 def flow_snr(t: Tensor) -> Tensor:
     """SNR of x_t = (1 − t)·x0 + t·ε: ((1 − t)/t)², ∞ at t = 0 and 0 at t = 1."""
     return ((1 - t) / t) ** 2
+
+
+def shift_for_size(shift: float, height: int, width: int, reference: int | None) -> float:
+    """The shift at an H×W image: ``shift`` at reference² pixels, times sqrt(H·W)/reference.
+
+    Esser et al. 2024 (§5.3.2): for m instead of n pixels, shift the time by α = sqrt(m/n); shifts
+    compose by multiplying (the shift scales σ/(1 − σ), i.e. SNR by 1/α²). ``reference`` None:
+    ``shift`` at every size.
+    """
+    if reference is None:
+        return shift
+    return shift * (height * width) ** 0.5 / reference
+
+
+def unshift_flow_times(t: Tensor, shift: float) -> Tensor:
+    """The inverse of :func:`shift_flow_times`: u = t/(s − (s − 1)·t)."""
+    return t / (shift - (shift - 1) * t)
+
+
+def shifted_flow_density(
+    density: Callable[..., Tensor], t: Tensor, shift: float, **params: float
+) -> Tensor:
+    """The density of t = shift_flow_times(u, s) for u ~ ``density``: π(u)·du/dt.
+
+    du/dt = s/(s − (s − 1)·t)², so a shift > 1 moves the mass towards t = 1 (noise).
+    """
+    return density(unshift_flow_times(t, shift), **params) * shift / (shift - (shift - 1) * t) ** 2

@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from impasto.objectives.noising import _per_sample
-from impasto.objectives.schedules import sigmas_from_alphas_cumprod
 
 
 def _reduce(elementwise: Tensor, mask: Tensor | None) -> Tensor:
@@ -107,25 +106,24 @@ LOSSES: dict[str, Callable[..., Tensor]] = {
 }
 
 
-def constant_huber_c(timesteps: Tensor, alphas_cumprod: Tensor, huber_c: float) -> Tensor:
+def constant_huber_c(fraction: Tensor, sigma: Tensor, huber_c: float) -> Tensor:
     """c(t) = c."""
-    return torch.full(timesteps.shape, float(huber_c), device=timesteps.device)
+    return torch.full(fraction.shape, float(huber_c), device=fraction.device)
 
 
-def exponential_huber_c(timesteps: Tensor, alphas_cumprod: Tensor, huber_c: float) -> Tensor:
+def exponential_huber_c(fraction: Tensor, sigma: Tensor, huber_c: float) -> Tensor:
     """c(t) = exp(−αt), α = −ln(c)/T, i.e. c^{t/T}: 1 at t = 0 (near L2), c at t = T (kohya)."""
-    num_train_timesteps = alphas_cumprod.shape[0]
-    return float(huber_c) ** (timesteps.float() / num_train_timesteps)
+    return float(huber_c) ** fraction.float()
 
 
-def snr_huber_c(timesteps: Tensor, alphas_cumprod: Tensor, huber_c: float) -> Tensor:
+def snr_huber_c(fraction: Tensor, sigma: Tensor, huber_c: float) -> Tensor:
     """c(t) = (1 − c)/(1 + σ_t)² + c: 1 at σ = 0, c as σ → ∞ (kohya's default schedule)."""
-    sigmas = sigmas_from_alphas_cumprod(alphas_cumprod.to(timesteps.device)[timesteps])
-    return ((1 - huber_c) / (1 + sigmas) ** 2 + huber_c).float()
+    return ((1 - huber_c) / (1 + sigma) ** 2 + huber_c).float()
 
 
-# name → huber_c(timesteps [B] int, alphas_cumprod [T], huber_c) -> float32 [B], kohya's
-# --huber_schedule (Khrapov et al. 2024); kohya's default c is 0.1.
+# name → huber_c(fraction [B], sigma [B], huber_c) -> float32 [B], kohya's --huber_schedule
+# (Khrapov et al. 2024; kohya's default c is 0.1). ``fraction`` is t/T in [0, 1] (flow: t), and
+# ``sigma`` the noise level 1/sqrt(SNR) at t (flow: t/(1 − t)), so one schedule serves both.
 HUBER_C_SCHEDULES: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
     "constant": constant_huber_c,
     "exponential": exponential_huber_c,

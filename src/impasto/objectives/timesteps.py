@@ -199,7 +199,7 @@ def logit_normal_density(t: Tensor, *, mean: float = 0.0, std: float = 1.0) -> T
     return torch.where(inside, density, torch.zeros_like(t))
 
 
-def _check_mode_scale(scale: float) -> None:
+def check_mode_scale(scale: float) -> None:
     # f_mode is a monotone map of [0, 1] onto itself only for scale in [−1, 2/(π − 2)].
     if not -1.0 <= scale <= 2 / (math.pi - 2):
         raise ValueError(f"mode scale must be in [-1, {2 / (math.pi - 2):.4f}], got {scale}")
@@ -222,13 +222,13 @@ def mode_flow_times(
     The default 1.29 is diffusers' scripts' ``mode_scale``; draws the same numbers as diffusers'
     ``compute_density_for_timestep_sampling("mode", ...)``.
     """
-    _check_mode_scale(scale)
+    check_mode_scale(scale)
     return _mode_map(_uniform(batch_size, generator), scale).to(device)
 
 
 def mode_density(t: Tensor, *, scale: float = 1.29) -> Tensor:
     """π(t) = |d f_mode⁻¹(t)/dt| = 1/|f_mode'(u)| at u = f_mode⁻¹(t) (found by bisection)."""
-    _check_mode_scale(scale)
+    check_mode_scale(scale)
     target = t.double()
     low, high = torch.zeros_like(target), torch.ones_like(target)
     for _ in range(60):  # 2⁻⁶⁰: below float64 resolution on [0, 1]

@@ -13,6 +13,7 @@ import yaml
 
 from impasto import __version__
 from impasto.checkpoint import CheckpointData, latest_checkpoint, load_checkpoint, save_checkpoint
+from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_diff, config_hash, config_to_dict, config_to_yaml
 from impasto.logging import METRICS_FILE
 from impasto.train.rng import capture_rng_state, restore_rng_state
@@ -74,6 +75,7 @@ def save_train_checkpoint(
             "lr": [group["lr"] for group in optimizer.param_groups],
         },
         texts={"config.yaml": _config_text(config)},
+        metadata={"unet": model_metadata(config)},
     )
     return save_checkpoint(run_dir / CHECKPOINTS, state.step, data, config.checkpoint.keep_last)
 

@@ -16,6 +16,7 @@ from impasto.data import Batch, ImageRecord, build_dataloader, derive_seed, scan
 from impasto.data.demo import write_demo_dataset
 from impasto.logging import MetricsLogger
 from impasto.models import SDXLComponents, load_components
+from impasto.objectives.objective import Objective
 from impasto.train.memo import EncodingMemo
 from impasto.train.optim import OPTIMIZERS, lr_multiplier, set_lr
 from impasto.train.precision import autocast_factory, resolve_device, resolve_precision
@@ -26,7 +27,7 @@ from impasto.train.state import (
     restore_train_checkpoint,
     save_train_checkpoint,
 )
-from impasto.train.step import Objective, training_step
+from impasto.train.step import training_step
 from impasto.train.validation import write_validation_grid
 
 MicroBatches = Iterator[tuple[Batch | None, tuple[int, int]]]
