@@ -8,6 +8,14 @@ from typing import Any
 import pytest
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny SDXL components (seed 0), shared by a module's tests; do not train them."""
+    from impasto.models.presets import build_tiny
+
+    return build_tiny(0)
+
+
 @pytest.fixture(scope="session")
 def demo_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """16 generated demo images (64×64) with captions, shared by the whole session."""

@@ -15,7 +15,9 @@ from diffusers.training_utils import (
     compute_loss_weighting_for_sd3,
 )
 
+from impasto.config import build_config
 from impasto.config.schema import ObjectiveConfig
+from impasto.models import SDXLComponents
 from impasto.objectives import (
     FLOW_LOSS_WEIGHTINGS,
     FLOW_TIME_DENSITIES,
@@ -33,7 +35,13 @@ from impasto.objectives import (
     unshift_flow_times,
 )
 from impasto.objectives.objective import Objective
-from impasto.sampling import sample_euler
+from impasto.sampling import (
+    generate_latents,
+    initial_noise,
+    latent_shape,
+    sample_euler,
+    sdxl_conditioning,
+)
 from impasto.sampling.flow import flow_denoiser, flow_timesteps
 
 CPU = torch.device("cpu")
@@ -328,3 +336,47 @@ def test_flow_euler_transports_a_point_mass_exactly():
     timesteps, ts = flow_timesteps(5, 3.0)
     x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(8))
     torch.testing.assert_close(sample_euler(denoise, x, ts, timesteps), target)
+
+
+def test_generate_on_a_flow_model_equals_a_flow_match_euler_loop(tiny: SDXLComponents):
+    prompts, negative, guidance, shift = ["a red circle", "a blue square"], "blurry", 4.5, 3.0
+    latents = generate_latents(
+        tiny,
+        prompts,
+        negative_prompt=negative,
+        num_steps=6,
+        guidance_scale=guidance,
+        prediction_type="flow",
+        flow_shift=1.5,
+        flow_shift_resolution=32,  # 64x64 images: shift 1.5 * 64/32 = 3
+        seed=3,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(6)
+    cond = sdxl_conditioning(tiny, prompts, 64, 64)
+    both = sdxl_conditioning(tiny, [negative] * 2, 64, 64).cat(cond)
+    x = initial_noise(2, latent_shape(tiny, 64, 64), seed=3)
+    with torch.no_grad():
+        for timestep in scheduler.timesteps:
+            output = tiny.unet(
+                torch.cat([x, x]),
+                timestep,
+                encoder_hidden_states=both.prompt_embeds,
+                added_cond_kwargs={
+                    "text_embeds": both.pooled_prompt_embeds,
+                    "time_ids": both.time_ids,
+                },
+            ).sample
+            uncond, conditional = output.chunk(2)
+            velocity = uncond + guidance * (conditional - uncond)
+            x = scheduler.step(velocity, timestep, x).prev_sample
+    torch.testing.assert_close(latents, x, rtol=1e-4, atol=1e-5)
+
+
+def test_flow_models_refuse_the_ve_samplers(tiny: SDXLComponents, tiny_raw):
+    with pytest.raises(ValueError, match="cannot sample a flow model"):
+        generate_latents(tiny, ["a"], prediction_type="flow", sampler="dpmpp_2m", num_steps=2)
+    tiny_raw["objective"] = {"prediction_type": "flow"}
+    tiny_raw["sample"] = {"sampler": "ddim"}
+    with pytest.raises(ValueError, match="sample.sampler: 'ddim' cannot sample a flow model"):
+        build_config(tiny_raw)

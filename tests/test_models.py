@@ -30,11 +30,6 @@ LONG_PROMPT = "a watercolor painting of a lighthouse at dusk, " * 12  # > 77 tok
 
 
 @pytest.fixture(scope="module")
-def tiny() -> SDXLComponents:
-    return build_tiny(0)
-
-
-@pytest.fixture(scope="module")
 def saved_dir(tiny: SDXLComponents, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("sdxl") / "tiny"
     save_diffusers(tiny, path)

@@ -132,8 +132,9 @@ def test_tiny_run_learns_under_other_objectives(tiny_raw, objective):
     assert last < 0.9 * first, (first, last)
 
 
-def test_vpred_ztsnr_preset_runs_on_the_tiny_model(tmp_path, demo_folder):
-    preset = Path(__file__).parents[1] / "configs" / "sdxl-vpred-ztsnr.yaml"
+def _preset_on_tiny(name: str, tmp_path: Path, demo_folder: Path):
+    """configs/NAME.yaml with the overrides its header gives for the tiny model, 2 steps."""
+    preset = Path(__file__).parents[1] / "configs" / f"{name}.yaml"
     overrides = [
         "model.path=null",
         "model.preset=tiny",
@@ -146,15 +147,38 @@ def test_vpred_ztsnr_preset_runs_on_the_tiny_model(tmp_path, demo_folder):
         "sample.num_steps=3",
         "log.progress_bar=false",
     ]
-    config = load_config(preset, overrides)
+    return load_config(preset, overrides)
+
+
+def _train_and_read_metadata(config) -> dict[str, str]:
+    result = train(config)
+    assert result.state.step == 2
+    assert (result.run_dir / "samples" / "step-00000002.png").is_file()
+    return read_model_metadata(result.run_dir)
+
+
+def test_vpred_ztsnr_preset_runs_on_the_tiny_model(tmp_path, demo_folder):
+    config = _preset_on_tiny("sdxl-vpred-ztsnr", tmp_path, demo_folder)
     objective = config.objective
     assert (objective.prediction_type, objective.zero_terminal_snr) == ("v_prediction", True)
     assert (objective.terminal_sigma, objective.loss_weighting) == (20000.0, "min_snr")
     assert model_sampling_options(config)["spacing"] == "trailing"
-    result = train(config)
-    assert result.state.step == 2
-    assert (result.run_dir / "samples" / "step-00000002.png").is_file()
-    metadata = read_model_metadata(result.run_dir)
+    metadata = _train_and_read_metadata(config)
     assert metadata["impasto.prediction_type"] == "v_prediction"
     assert metadata["impasto.zero_terminal_snr"] == "true"
     assert float(metadata["impasto.terminal_sigma"]) == 20000.0
+
+
+def test_flow_preset_runs_on_the_tiny_model(tmp_path, demo_folder):
+    config = _preset_on_tiny("sdxl-flow", tmp_path, demo_folder)
+    objective = config.objective
+    assert (objective.prediction_type, objective.timestep_sampling) == ("flow", "logit_normal")
+    assert (objective.logit_mean, objective.logit_std) == (0.0, 1.0)
+    assert (objective.flow_shift, objective.flow_shift_resolution) == (3.0, 1024)
+    metadata = _train_and_read_metadata(config)
+    assert metadata["impasto.prediction_type"] == "flow"
+    assert metadata["impasto.zero_terminal_snr"] == "false"
+    assert (metadata["impasto.flow_shift"], metadata["impasto.flow_shift_resolution"]) == (
+        "3.0",
+        "1024",
+    )

@@ -129,7 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--steps", type=int, default=30)
     sample.add_argument("--cfg", type=float, default=5.0, help="classifier-free guidance scale")
-    sample.add_argument("--sampler", default="euler", help="euler or ddim")
+    sample.add_argument(
+        "--sampler",
+        default="euler",
+        help="euler, euler_ancestral, ddim, dpmpp_2m, dpmpp_2m_karras (flow models: euler)",
+    )
     sample.add_argument(
         "--spacing",
         choices=("leading", "trailing", "linspace"),

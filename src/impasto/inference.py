@@ -16,9 +16,9 @@ from impasto.sampling import generate, to_pil
 
 def model_sampling_options(config: Config, spacing: str | None = None) -> dict:
     """The ``generate`` options fixed by how the model was trained: its prediction type, its
-    schedule, and the timestep spacing (default: ``sample.spacing``; unset, trailing for a
-    zero-terminal-SNR schedule, so sampling starts at the terminal σ (Lin et al. 2023, §3.3),
-    else SDXL's leading).
+    schedule (for flow its shift), and the timestep spacing (default: ``sample.spacing``;
+    unset, trailing for a zero-terminal-SNR schedule, so sampling starts at the terminal σ
+    (Lin et al. 2023, §3.3), else SDXL's leading).
     """
     objective = config.objective
     spacing = spacing or config.sample.spacing
@@ -28,6 +28,8 @@ def model_sampling_options(config: Config, spacing: str | None = None) -> dict:
         "prediction_type": objective.prediction_type,
         "alphas_cumprod": training_alphas_cumprod(objective),
         "spacing": spacing,
+        "flow_shift": objective.flow_shift,
+        "flow_shift_resolution": objective.flow_shift_resolution,
     }
 
 

@@ -341,6 +341,17 @@ class Config(Section):
     log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
+    def _sampler_fits_the_objective(self) -> Config:
+        from impasto.sampling.flow import FLOW_SAMPLERS
+
+        if self.objective.is_flow and self.sample.sampler not in FLOW_SAMPLERS:
+            raise ValueError(
+                f"sample.sampler: {self.sample.sampler!r} cannot sample a flow model; "
+                f"flow samplers: {', '.join(sorted(FLOW_SAMPLERS))}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _cache_fits_the_data(self) -> Config:
         if self.cache.latents == "memory" and (self.data.crop != "center" or self.data.random_flip):
             raise ValueError(

@@ -27,6 +27,16 @@ Conditioning = TypeVar("Conditioning")
 FLOW_SAMPLERS: dict[str, SampleFn] = {"euler": sample_euler}
 
 
+def get_flow_sampler(name: str) -> SampleFn:
+    """The flow sampler registered as ``name``; any other name is a one-line error."""
+    if name not in FLOW_SAMPLERS:
+        raise ValueError(
+            f"sampler {name!r} cannot sample a flow model (it works in the VE form, infinite "
+            f"at t = 1); flow samplers: {sorted(FLOW_SAMPLERS)}"
+        )
+    return FLOW_SAMPLERS[name]
+
+
 def flow_timesteps(
     num_steps: int, shift: float = 1.0, num_train_timesteps: int = 1000
 ) -> tuple[Tensor, Tensor]:

@@ -3,7 +3,10 @@
 This is the one module of ``impasto.sampling`` that knows SDXL: it encodes prompts as
 ``impasto.models`` does for training, wraps the UNet as a denoiser and decodes with the VAE.
 With the same initial noise it reproduces diffusers' ``StableDiffusionXLPipeline`` with
-``EulerDiscreteScheduler`` or ``DDIMScheduler`` (see ``tests/test_sampling.py``).
+``EulerDiscreteScheduler``, ``DDIMScheduler`` or ``DPMSolverMultistepScheduler``; ancestral
+samplers continue each image's own generator, so they reproduce the pipeline called with
+``generator=[torch.Generator().manual_seed(seed + i) for i in ...]`` (see
+``tests/test_sampling.py`` and ``tests/test_samplers_more.py``).
 
 Negative prompt: the unconditional branch of classifier-free guidance is the *encoded*
 negative prompt, including the empty string. impasto trains the unconditional model by caption
@@ -15,6 +18,7 @@ when no negative prompt is given; passing ``negative_prompt=""`` to it matches i
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,9 +28,11 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
+from impasto.config.schema import FLOW
 from impasto.models import SDXLComponents, add_time_ids, encode_prompts
-from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas
+from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas, shift_for_size
 from impasto.sampling.denoisers import vp_denoiser
+from impasto.sampling.flow import flow_denoiser, flow_timesteps, get_flow_sampler
 from impasto.sampling.samplers import StepCallback, get_sampler
 from impasto.sampling.schedules import initial_noise_scale
 
@@ -100,18 +106,42 @@ def latent_shape(models: SDXLComponents, height: int, width: int) -> tuple[int, 
     return int(models.unet.config.in_channels), height // factor, width // factor
 
 
+def image_generators(num_images: int, seed: int) -> list[torch.Generator]:
+    """One CPU generator per image, image i's seeded with seed + i."""
+    return [torch.Generator().manual_seed(seed + i) for i in range(num_images)]
+
+
+def draw_noise(generators: list[torch.Generator], shape: tuple[int, ...]) -> Tensor:
+    """ε ~ N(0, I) ``[len(generators), *shape]`` float32 on CPU, row i the next from generator i.
+
+    One generator per image makes image i the same whatever the batch size; it equals
+    diffusers' ``randn_tensor`` with a list of generators (one per row).
+    """
+    return torch.stack([torch.randn(shape, generator=generator) for generator in generators])
+
+
 def initial_noise(num_images: int, shape: tuple[int, ...], seed: int) -> Tensor:
     """ε ~ N(0, I) ``[num_images, *shape]`` float32 on CPU; image i from its own seed + i.
 
-    One generator per image makes image i the same whatever the batch size; it equals
-    diffusers' ``randn_tensor`` with ``generator=[torch.Generator().manual_seed(seed + i)]``.
+    It equals diffusers' ``randn_tensor`` with ``generator=[torch.Generator().manual_seed(seed
+    + i)]``, the pipeline's initial latents.
     """
-    return torch.stack(
-        [
-            torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
-            for i in range(num_images)
-        ]
-    )
+    return draw_noise(image_generators(num_images, seed), shape)
+
+
+def noise_source(
+    generators: list[torch.Generator], shape: tuple[int, ...], device: torch.device
+) -> Callable[[], Tensor]:
+    """``noise()`` for stochastic samplers: each call draws every image's next ε on ``device``.
+
+    Continuing the generators that drew the initial noise is what diffusers' pipeline does with
+    ``generator=[...]``: its ancestral scheduler steps draw each row from that row's generator.
+    """
+
+    def noise() -> Tensor:
+        return draw_noise(generators, shape).to(device)
+
+    return noise
 
 
 @contextlib.contextmanager
@@ -155,12 +185,14 @@ def generate_latents(
     alphas_cumprod: Tensor | None = None,
     spacing: str = "leading",
     steps_offset: int = 1,
+    flow_shift: float = 1.0,
+    flow_shift_resolution: int | None = None,
     callback: StepCallback | None = None,
 ) -> Tensor:
     """Sample VP latents ``[B, C, H/f, W/f]`` float32 on the UNet's device (not yet unscaled).
 
-    Arguments are documented on :func:`generate`; ``callback(i, x, denoised)`` sees the VE
-    state after step i.
+    Arguments are documented on :func:`generate`; ``callback(i, x, denoised)`` sees the
+    sampler's state after step i (VE form; for flow x_t).
     """
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings")
@@ -170,31 +202,44 @@ def generate_latents(
         raise ValueError(f"guidance_scale must be finite, got {guidance_scale}")
     if not 0.0 <= guidance_rescale <= 1.0:
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale}")
-    spec = get_sampler(sampler)
     shape = latent_shape(models, height, width)
     negatives = _negative_prompts(negative_prompt, len(prompts))
     # Row j of the batch (prompt j // k, image j % k) starts from the noise of seed + j.
     prompts = [prompt for prompt in prompts for _ in range(num_images_per_prompt)]
     negatives = [negative for negative in negatives for _ in range(num_images_per_prompt)]
     alphas_cumprod = sdxl_alphas_cumprod() if alphas_cumprod is None else alphas_cumprod
-    timesteps, sigmas = spec.schedule(num_steps, alphas_cumprod, spacing, steps_offset)
+    flow = prediction_type == FLOW
+    if flow:  # the state is x_t itself, from x_1 = ε (sampling/flow.py)
+        sample = get_flow_sampler(sampler)
+        shift = shift_for_size(flow_shift, height, width, flow_shift_resolution)
+        timesteps, sigmas = flow_timesteps(num_steps, shift, alphas_cumprod.shape[0])
+        stochastic, noise_scale = False, 1.0
+        make_denoiser = flow_denoiser
+    else:  # VE state x_t/sqrt(ᾱ), from the DDPM prior
+        spec = get_sampler(sampler)
+        sample, stochastic = spec.sample, spec.stochastic
+        timesteps, sigmas = spec.schedule(num_steps, alphas_cumprod, spacing, steps_offset)
+        noise_scale = initial_noise_scale(sigmas[0])
+        make_denoiser = functools.partial(vp_denoiser, prediction_type=prediction_type)
     unet = models.unet
     with torch.no_grad(), eval_mode(unet, models.text_encoder, models.text_encoder_2):
         cond = sdxl_conditioning(models, prompts, height, width)
         uncond_and_cond = None
         if guidance_scale != 1.0:
             uncond_and_cond = sdxl_conditioning(models, negatives, height, width).cat(cond)
-        denoise = vp_denoiser(
+        denoise = make_denoiser(
             unet_forward(unet),
             cond,
             uncond_and_cond,
             guidance_scale=guidance_scale,
             guidance_rescale=guidance_rescale,
-            prediction_type=prediction_type,
         )
-        noise = initial_noise(len(prompts), shape, seed).to(unet.device)
-        x = noise * initial_noise_scale(sigmas[0])
-        x = spec.sample(denoise, x, sigmas, timesteps, callback=callback)
+        generators = image_generators(len(prompts), seed)
+        x = draw_noise(generators, shape).to(unet.device) * noise_scale
+        step_noise = noise_source(generators, shape, unet.device) if stochastic else None
+        x = sample(denoise, x, sigmas, timesteps, callback=callback, noise=step_noise)
+        if flow:
+            return x
         # VE → VP at the final level: x/sqrt(σ² + 1), exactly x when the ladder ends at σ = 0.
         return x / (sigmas[-1] ** 2 + 1) ** 0.5
 
@@ -230,8 +275,11 @@ def generate(models: SDXLComponents, prompts: list[str], **options: Any) -> Tens
     ``negative_prompt`` is one string for all prompts or one per prompt (the empty string is
     encoded, see the module docstring); ``guidance_scale`` 1 runs the conditional branch only;
     ``guidance_rescale`` is φ of Lin et al. 2023 (0 = off). ``sampler`` is a key of
-    ``SAMPLERS``, ``spacing`` of ``SPACINGS``, ``prediction_type`` of ``PREDICTION_TYPES``.
-    ``alphas_cumprod`` ``[T]`` is the training schedule (default SDXL's). Row j starts from
+    ``SAMPLERS``, ``spacing`` of ``SPACINGS``, ``prediction_type`` of ``PREDICTION_TYPES``
+    or ``"flow"`` (then ``sampler`` is a key of ``FLOW_SAMPLERS``, the t ladder is shifted by
+    ``flow_shift``, scaled to the image size with ``flow_shift_resolution``, and ``spacing`` is
+    unused). ``alphas_cumprod`` ``[T]`` is the training schedule (default SDXL's; for flow
+    only its length T is read, the UNet getting t·T). Row j starts from
     the noise of seed + j, so an image does not depend on the rest of the batch. Runs without
     gradients on the UNet's device; the models' train/eval modes are restored afterwards, and
     no global RNG is used, so a trainer can call this mid-run without changing its random
