@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import (
-    DPMSolverMultistepScheduler,
-    EulerAncestralDiscreteScheduler,
-    StableDiffusionXLPipeline,
-)
+from diffusers import EulerAncestralDiscreteScheduler
+from diffusers_reference import LATENT_TOL, NEGATIVE, PROMPTS, SCHEDULERS
 from torch.testing import assert_close
 
 from impasto.config.schema import ObjectiveConfig
-from impasto.models import SDXLComponents, sdxl_scheduler, to_pipeline
+from impasto.models import SDXLComponents
 from impasto.objectives import sigmas_from_alphas_cumprod, training_alphas_cumprod
 from impasto.sampling import (
     SAMPLERS,
-    generate,
     generate_latents,
     get_sampler,
     initial_noise_scale,
@@ -27,53 +23,7 @@ from impasto.sampling import (
     vp_denoiser,
 )
 
-PROMPTS = ["a red circle on a white background", "a blue square"]
-NEGATIVE = "blurry, low quality"
 NEW_SAMPLERS = ["euler_ancestral", "dpmpp_2m", "dpmpp_2m_karras"]
-# As tests/test_sampling.py: VE-form sampling vs diffusers' algebra differs by float32 rounding.
-LATENT_TOL = {"rtol": 1e-5, "atol": 1e-4}
-
-
-def _euler_ancestral(spacing: str = "leading", prediction_type: str = "epsilon"):
-    return EulerAncestralDiscreteScheduler.from_config(
-        sdxl_scheduler().config, timestep_spacing=spacing, prediction_type=prediction_type
-    )
-
-
-def _dpmpp_2m(spacing: str = "leading", prediction_type: str = "epsilon"):
-    """DPM-Solver++(2M) with its defaults (lower_order_final, final σ 0) on SDXL's schedule."""
-    return DPMSolverMultistepScheduler.from_config(
-        sdxl_scheduler().config,
-        timestep_spacing=spacing,
-        prediction_type=prediction_type,
-        algorithm_type="dpmsolver++",
-        solver_order=2,
-    )
-
-
-def _dpmpp_2m_karras(spacing: str = "leading", prediction_type: str = "epsilon"):
-    return DPMSolverMultistepScheduler.from_config(
-        _dpmpp_2m(spacing, prediction_type).config, use_karras_sigmas=True
-    )
-
-
-SCHEDULERS = {
-    "euler_ancestral": _euler_ancestral,
-    "dpmpp_2m": _dpmpp_2m,
-    "dpmpp_2m_karras": _dpmpp_2m_karras,
-}
-
-
-def _generators(num_images: int, seed: int) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(seed + i) for i in range(num_images)]
-
-
-def _pipeline(tiny: SDXLComponents, scheduler) -> StableDiffusionXLPipeline:
-    pipe = to_pipeline(tiny)
-    pipe.scheduler = scheduler
-    pipe.watermark = None
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 # --- ladders ----------------------------------------------------------------------------------
@@ -305,57 +255,6 @@ def test_zero_terminal_snr_generation_is_finite(tiny: SDXLComponents, sampler: s
         seed=5,
     )
     assert torch.isfinite(latents).all() and latents.abs().max() > 0
-
-
-# --- generation vs diffusers' SDXL pipeline ---------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("sampler", "guidance_rescale", "prediction_type"),
-    [
-        ("dpmpp_2m_karras", 0.0, "epsilon"),
-        ("dpmpp_2m", 0.0, "epsilon"),
-        ("euler_ancestral", 0.0, "epsilon"),
-        ("dpmpp_2m_karras", 0.7, "v_prediction"),
-        ("euler_ancestral", 0.7, "v_prediction"),
-    ],
-)
-def test_generate_equals_diffusers_sdxl_pipeline(
-    tiny: SDXLComponents, sampler: str, guidance_rescale: float, prediction_type: str
-) -> None:
-    kwargs = {
-        "num_steps": 6,
-        "guidance_scale": 4.5,
-        "guidance_rescale": guidance_rescale,
-        "prediction_type": prediction_type,
-    }
-    latents = generate_latents(
-        tiny, PROMPTS, negative_prompt=NEGATIVE, sampler=sampler, seed=7, **kwargs
-    )
-    pipe = _pipeline(tiny, SCHEDULERS[sampler](prediction_type=prediction_type))
-    # The pipeline draws the initial latents, then each ancestral step's noise, from row i's
-    # own generator: impasto's per-image seeds continue the same way.
-    reference = pipe(
-        PROMPTS,
-        negative_prompt=[NEGATIVE] * len(PROMPTS),
-        num_inference_steps=6,
-        guidance_scale=4.5,
-        guidance_rescale=guidance_rescale,
-        height=64,
-        width=64,
-        generator=_generators(len(PROMPTS), 7),
-        output_type="latent",
-    ).images
-    assert_close(latents, reference, **LATENT_TOL)
-
-    if prediction_type != "epsilon":
-        return  # decoding is the same for every prediction type
-    images = generate(tiny, PROMPTS, negative_prompt=NEGATIVE, sampler=sampler, seed=7, **kwargs)
-    reference_images = pipe.image_processor.postprocess(
-        tiny.vae.decode(reference / tiny.vae_scaling_factor).sample, output_type="pt"
-    )
-    assert images.shape == (2, 3, 64, 64) and images.dtype == torch.float32
-    assert_close(images, reference_images, rtol=0, atol=1e-5)
 
 
 def test_ancestral_same_seed_same_image_and_independent_of_batch(tiny: SDXLComponents) -> None:

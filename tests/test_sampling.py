@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import DDIMScheduler, EulerDiscreteScheduler, StableDiffusionXLPipeline
+from diffusers_reference import (
+    LATENT_TOL,
+    NEGATIVE,
+    PROMPTS,
+    SCHEDULERS,
+    generators,
+    pipeline,
+)
+from diffusers_reference import ddim as _ddim
+from diffusers_reference import euler as _euler
 from torch.testing import assert_close
 
-from impasto.models import SDXLComponents, sdxl_scheduler, to_pipeline
+from impasto.models import SDXLComponents
 from impasto.objectives import PREDICTION_TARGETS, add_noise
 from impasto.sampling import (
     SAMPLERS,
@@ -28,38 +37,6 @@ from impasto.sampling import (
     sigmas_for_timesteps,
     to_pil,
 )
-
-PROMPTS = ["a red circle on a white background", "a blue square"]
-NEGATIVE = "blurry, low quality"
-# Latents of the random tiny UNet reach |x| ≈ 20; sampling in VE form vs diffusers' algebra
-# differs by float32 rounding only (~1e-6 relative), a wrong step is off by O(1).
-LATENT_TOL = {"rtol": 1e-5, "atol": 1e-4}
-
-
-def _euler(spacing: str = "leading", prediction_type: str = "epsilon") -> EulerDiscreteScheduler:
-    return EulerDiscreteScheduler.from_config(
-        sdxl_scheduler().config, timestep_spacing=spacing, prediction_type=prediction_type
-    )
-
-
-def _ddim(spacing: str = "leading", prediction_type: str = "epsilon") -> DDIMScheduler:
-    """DDIM with SDXL's scheduler config (no sample clipping, final ᾱ = ᾱ_0)."""
-    return DDIMScheduler.from_config(
-        sdxl_scheduler().config,
-        timestep_spacing=spacing,
-        set_alpha_to_one=False,
-        clip_sample=False,
-        prediction_type=prediction_type,
-    )
-
-
-def _pipeline(tiny: SDXLComponents, scheduler) -> StableDiffusionXLPipeline:
-    pipe = to_pipeline(tiny)
-    pipe.scheduler = scheduler
-    pipe.watermark = None
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
 
 # --- schedules ------------------------------------------------------------------------------
 
@@ -221,17 +198,22 @@ def test_guided_output_batches_uncond_then_cond_in_one_forward() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sampler", "scheduler", "guidance_rescale", "prediction_type"),
+    ("sampler", "guidance_rescale", "prediction_type"),
     [
-        ("euler", _euler, 0.0, "epsilon"),
-        ("ddim", _ddim, 0.0, "epsilon"),
-        ("euler", _euler, 0.7, "epsilon"),
-        ("euler", _euler, 0.0, "v_prediction"),
-        ("ddim", _ddim, 0.7, "v_prediction"),
+        ("euler", 0.0, "epsilon"),
+        ("ddim", 0.0, "epsilon"),
+        ("euler", 0.7, "epsilon"),
+        ("euler", 0.0, "v_prediction"),
+        ("ddim", 0.7, "v_prediction"),
+        ("dpmpp_2m_karras", 0.0, "epsilon"),
+        ("dpmpp_2m", 0.0, "epsilon"),
+        ("euler_ancestral", 0.0, "epsilon"),
+        ("dpmpp_2m_karras", 0.7, "v_prediction"),
+        ("euler_ancestral", 0.7, "v_prediction"),
     ],
 )
 def test_generate_equals_diffusers_sdxl_pipeline(
-    tiny: SDXLComponents, sampler: str, scheduler, guidance_rescale: float, prediction_type: str
+    tiny: SDXLComponents, sampler: str, guidance_rescale: float, prediction_type: str
 ) -> None:
     kwargs = {
         "num_steps": 6,
@@ -242,8 +224,9 @@ def test_generate_equals_diffusers_sdxl_pipeline(
     latents = generate_latents(
         tiny, PROMPTS, negative_prompt=NEGATIVE, sampler=sampler, seed=7, **kwargs
     )
-    pipe = _pipeline(tiny, scheduler(prediction_type=prediction_type))
-    noise = initial_noise(len(PROMPTS), latent_shape(tiny, 64, 64), seed=7)
+    pipe = pipeline(tiny, SCHEDULERS[sampler](prediction_type=prediction_type))
+    # The pipeline draws the initial latents, then each ancestral step's noise, from row i's
+    # own generator: impasto's per-image seeds continue the same way.
     reference = pipe(
         PROMPTS,
         negative_prompt=[NEGATIVE] * len(PROMPTS),
@@ -252,7 +235,7 @@ def test_generate_equals_diffusers_sdxl_pipeline(
         guidance_rescale=guidance_rescale,
         height=64,
         width=64,
-        latents=noise,
+        generator=generators(len(PROMPTS), 7),
         output_type="latent",
     ).images
     assert_close(latents, reference, **LATENT_TOL)
@@ -279,7 +262,7 @@ def test_euler_trailing_and_linspace_equal_diffusers_up_to_its_prior(
     scheduler.set_timesteps(5)
     sigma_max = scheduler.sigmas[0]
     noise = initial_noise(1, latent_shape(tiny, 64, 64), seed=1)
-    reference = _pipeline(tiny, scheduler)(
+    reference = pipeline(tiny, scheduler)(
         PROMPTS[:1],
         negative_prompt=NEGATIVE,
         num_inference_steps=5,
@@ -296,7 +279,7 @@ def test_guidance_scale_one_is_the_conditional_model(tiny: SDXLComponents) -> No
     kwargs = {"num_steps": 4, "guidance_scale": 1.0, "seed": 3}
     latents = generate_latents(tiny, PROMPTS, negative_prompt="anything at all", **kwargs)
     assert torch.equal(latents, generate_latents(tiny, PROMPTS, negative_prompt="", **kwargs))
-    reference = _pipeline(tiny, _euler())(
+    reference = pipeline(tiny, _euler())(
         PROMPTS,
         num_inference_steps=4,
         guidance_scale=1.0,

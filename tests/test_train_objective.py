@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,12 @@ import torch
 from impasto.checkpoint.trained import read_model_metadata
 from impasto.config import build_config, load_config
 from impasto.config.schema import ObjectiveConfig
+from impasto.data import Batch
 from impasto.inference import model_sampling_options
 from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas
 from impasto.objectives.objective import Objective
 from impasto.sampling import get_sampler
+from impasto.train.step import training_step
 from impasto.train.trainer import train
 
 
@@ -182,3 +186,37 @@ def test_flow_preset_runs_on_the_tiny_model(tmp_path, demo_folder):
         "3.0",
         "1024",
     )
+
+
+def test_per_sample_loss_weights_and_masks_multiply_in(tiny):
+    generator = torch.Generator().manual_seed(0)
+    batch = Batch(
+        pixel_values=torch.rand(2, 3, 64, 64, generator=generator) * 2 - 1,
+        captions=["a red circle", "a blue square"],
+        original_sizes=torch.tensor([[64, 64]] * 2),
+        crop_top_lefts=torch.zeros(2, 2, dtype=torch.long),
+        target_sizes=torch.tensor([[64, 64]] * 2),
+        indices=torch.arange(2),
+    )
+    objective = Objective.from_config(ObjectiveConfig())
+
+    def per_sample(**changes):
+        out = training_step(
+            tiny,
+            objective,
+            replace(batch, **changes),
+            torch.Generator().manual_seed(1),
+            nullcontext,
+        )
+        return out.per_sample_loss
+
+    plain = per_sample()
+    torch.testing.assert_close(
+        per_sample(loss_weights=torch.tensor([2.0, 0.5])), plain * torch.tensor([2.0, 0.5])
+    )
+    top = torch.zeros(2, 1, 64, 64)
+    top[:, :, :32] = 1
+    top_loss, bottom_loss = per_sample(loss_masks=top), per_sample(loss_masks=1 - top)
+    # The halves' means average to the whole mean, and differ from it (the mask is applied).
+    torch.testing.assert_close((top_loss + bottom_loss) / 2, plain)
+    assert not torch.allclose(top_loss, bottom_loss)

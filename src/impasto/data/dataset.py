@@ -141,6 +141,8 @@ class Batch:
         num_bad: examples of this batch dropped as unreadable.
         position: where this batch sits in the run; equals ``sampler.position`` before the
             trainer's ``advance()`` for it. ``None`` if the keys had no batch position.
+        loss_weights: float32 ``[B]`` per-sample loss weights (e.g. tag frequency), or ``None``.
+        loss_masks: float32 ``[B, 1, R, R]`` in [0, 1] (where the loss counts), or ``None``.
     """
 
     pixel_values: torch.Tensor
@@ -151,6 +153,8 @@ class Batch:
     indices: torch.Tensor
     num_bad: int = 0
     position: BatchPosition | None = None
+    loss_weights: torch.Tensor | None = None
+    loss_masks: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

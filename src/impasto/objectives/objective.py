@@ -119,11 +119,16 @@ class Objective:
             )
         return noise, noise_for_input
 
-    def per_sample_loss(self, prediction: Tensor, target: Tensor, times: Tensor) -> Tensor:
-        """The configured loss per sample [B], times the loss weighting at each one's time."""
+    def per_sample_loss(
+        self, prediction: Tensor, target: Tensor, times: Tensor, mask: Tensor | None = None
+    ) -> Tensor:
+        """The configured loss per sample [B], times the loss weighting at each one's time.
+
+        ``mask`` [B, 1, h, w] at the prediction's resolution: the loss is the mean over it.
+        """
         config = self.config
         snr = self.snr(times)
-        kwargs = {}
+        kwargs = {"mask": mask}
         if config.loss in ("huber", "pseudo_huber"):
             fraction = times if config.is_flow else times / self.num_train_timesteps
             schedule = HUBER_C_SCHEDULES[config.huber_schedule]

@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from impasto.data import Batch
@@ -63,7 +64,14 @@ def training_step(
             encoder_hidden_states=prompts.prompt_embeds,
             added_cond_kwargs={"text_embeds": prompts.pooled_prompt_embeds, "time_ids": time_ids},
         ).sample
-    per_sample = objective.per_sample_loss(prediction, target, times)
+    mask = None
+    if batch.loss_masks is not None:  # pixel masks → latent resolution (mean over each cell)
+        mask = F.interpolate(
+            batch.loss_masks.to(device).float(), size=latents.shape[-2:], mode="area"
+        )
+    per_sample = objective.per_sample_loss(prediction, target, times, mask=mask)
+    if batch.loss_weights is not None:
+        per_sample = per_sample * batch.loss_weights.to(per_sample)
     return StepOutput(
         loss=per_sample.mean(), per_sample_loss=per_sample.detach(), timesteps=unet_timesteps
     )
