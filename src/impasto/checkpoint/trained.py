@@ -68,21 +68,32 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_trained(path: str | Path) -> tuple[Config, SDXLComponents]:
-    """The config and the components, with the trained UNet, of a checkpoint or run directory."""
+    """The config and the components, with the trained parts, of a checkpoint or run directory.
+
+    The parts are rebuilt as the run built them (``parts``/``lora`` of its config: adapters
+    injected, then their weights loaded), every module frozen and in eval mode.
+    """
+    from impasto.train.parts import load_part_weights, prepare_parts
+
     checkpoint = resolve_checkpoint(path)
     config_file = checkpoint / "config.yaml"
     if not config_file.is_file():
         raise ValueError(f"checkpoint {checkpoint}: no config.yaml; it was not written by impasto")
     config = build_config(yaml.safe_load(config_file.read_text(encoding="utf-8")))
     models = load_components(config.model.preset, config.model.path, seed=config.model.init_seed)
-    weights = checkpoint / "unet.safetensors"
-    try:
-        state = load_file(weights)
-    except (OSError, SafetensorError) as error:
-        raise ValueError(
-            f"checkpoint {checkpoint}: cannot read unet.safetensors ({error})"
-        ) from None
-    models.unet.load_state_dict(state)
+    parts = prepare_parts(config, models)
+    tensors = {}
+    for name in parts:
+        weights = checkpoint / f"{name}.safetensors"
+        if not weights.is_file():
+            continue  # load_part_weights names the missing file
+        try:
+            tensors[name] = load_file(weights)
+        except (OSError, SafetensorError) as error:
+            raise ValueError(
+                f"checkpoint {checkpoint}: cannot read {weights.name} ({error})"
+            ) from None
+    load_part_weights(parts, tensors, f"checkpoint {checkpoint}")
     for module in (models.unet, models.vae, models.text_encoder, models.text_encoder_2):
         module.requires_grad_(False).eval()
     return config, models

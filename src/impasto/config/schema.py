@@ -236,6 +236,40 @@ class CacheConfig(Section):
     text_embeddings: Literal["none", "memory"] = "none"
 
 
+PartMode = Literal["full", "lora", "frozen"]
+
+
+class PartsConfig(Section):
+    """What trains: each SDXL component in full, through an adapter (section ``lora``), or not."""
+
+    unet: PartMode = "full"
+    text_encoder: PartMode = Field("frozen", description="CLIP-L (encoder 1)")
+    text_encoder_2: PartMode = Field("frozen", description="OpenCLIP bigG (encoder 2)")
+    unet_lr: float | None = Field(None, gt=0, description="default: optim.lr")
+    text_encoder_lr: float | None = Field(None, gt=0, description="default: optim.lr")
+    text_encoder_2_lr: float | None = Field(None, gt=0, description="default: optim.lr")
+
+    @model_validator(mode="after")
+    def _something_trains(self) -> PartsConfig:
+        if self.unet == self.text_encoder == self.text_encoder_2 == "frozen":
+            raise ValueError(
+                "every part is frozen; set parts.unet (or a text encoder) to full or lora"
+            )
+        return self
+
+
+class LoraConfig(Section):
+    """The adapter of the parts set to ``lora`` (peft): LoRA, DoRA, LoHa or LoKr."""
+
+    kind: Literal["lora", "dora", "loha", "lokr"] = "lora"
+    rank: int = Field(16, ge=1)
+    alpha: float | None = Field(None, gt=0, description="default: rank (scale alpha/rank = 1)")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: Literal["attention", "attention_ff", "attention_ff_conv"] = Field(
+        "attention", description="attention; + feed-forward; + ResNet convs and projections"
+    )
+
+
 class OptimConfig(Section):
     name: str = "adamw"
     lr: float = Field(1e-4, gt=0)
@@ -334,6 +368,8 @@ class Config(Section):
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     data: DataConfig
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    parts: PartsConfig = Field(default_factory=PartsConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -348,6 +384,17 @@ class Config(Section):
             raise ValueError(
                 f"sample.sampler: {self.sample.sampler!r} cannot sample a flow model; "
                 f"flow samplers: {', '.join(sorted(FLOW_SAMPLERS))}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _cache_fits_the_parts(self) -> Config:
+        parts = self.parts
+        text_trains = parts.text_encoder != "frozen" or parts.text_encoder_2 != "frozen"
+        if self.cache.text_embeddings == "memory" and text_trains:
+            raise ValueError(
+                "cache.text_embeddings: 'memory' reuses embeddings of frozen text encoders; "
+                "set it to none when parts.text_encoder or parts.text_encoder_2 trains"
             )
         return self
 

@@ -16,6 +16,7 @@ from impasto.checkpoint import CheckpointData, latest_checkpoint, load_checkpoin
 from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_diff, config_hash, config_to_dict, config_to_yaml
 from impasto.logging import METRICS_FILE
+from impasto.train.parts import Part, load_part_weights
 from impasto.train.rng import capture_rng_state, restore_rng_state
 
 CHECKPOINTS = "checkpoints"
@@ -62,7 +63,7 @@ def save_train_checkpoint(
     run_dir: Path,
     config: Config,
     state: TrainState,
-    modules: dict[str, torch.nn.Module],
+    modules: dict[str, Part],
     optimizer: torch.optim.Optimizer,
 ) -> Path:
     data = CheckpointData(
@@ -83,7 +84,7 @@ def save_train_checkpoint(
 def restore_train_checkpoint(
     run_dir: Path,
     config: Config,
-    modules: dict[str, torch.nn.Module],
+    modules: dict[str, Part],
     optimizer: torch.optim.Optimizer,
 ) -> tuple[TrainState, Path] | None:
     """Load the newest complete checkpoint of ``run_dir`` into the live objects, if any."""
@@ -91,18 +92,7 @@ def restore_train_checkpoint(
     if path is None:
         return None
     data = load_checkpoint(path)
-    for name, module in modules.items():
-        if name not in data.tensors:
-            raise ValueError(
-                f"checkpoint {path}: no {name}.safetensors; it was not written by this run"
-            )
-        result = module.load_state_dict(data.tensors[name], strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            bad = (result.missing_keys or result.unexpected_keys)[0]
-            raise ValueError(
-                f"checkpoint {path}: {name} weights do not match the model ({bad!r}); "
-                "was model.* changed? restore it or use --no-resume"
-            )
+    load_part_weights(modules, data.tensors, f"checkpoint {path}")
     optimizer.load_state_dict(data.objects["optimizer"])
     restore_rng_state(data.objects["rng"])
     saved = yaml.safe_load(data.texts.get("config.yaml", "")) or {}

@@ -34,11 +34,13 @@ def training_step(
     generator: torch.Generator,
     autocast: Callable[[], AbstractContextManager],
     memo: EncodingMemo | None = None,
+    train_text: bool = False,
 ) -> StepOutput:
     """The loss of one micro-batch. Randomness (VAE posterior, noise, t) comes from ``generator``.
 
     The generator lives on the CPU so a run draws the same numbers on any device. ``memo``
     (``cache: memory``) reuses earlier encodings of the same images and captions.
+    ``train_text``: the prompts are encoded with gradients (a text encoder trains).
     """
     device = models.unet.device
     memo = memo or EncodingMemo(latents=False, text_embeddings=False)
@@ -47,11 +49,12 @@ def training_step(
         noise_for_posterior = torch.randn(mean.shape, generator=generator)
         latents = mean + std * noise_for_posterior.to(device, std.dtype)
         latents = (latents * models.vae_scaling_factor).float()
-        prompts = memo.prompts(models, batch.captions, autocast)
         time_ids = add_time_ids(
             batch.original_sizes, batch.crop_top_lefts, batch.target_sizes, dtype=torch.float32
         ).to(device)
 
+    with torch.set_grad_enabled(train_text):
+        prompts = memo.prompts(models, batch.captions, autocast)
     noise = torch.randn(latents.shape, generator=generator).to(device)
     height, width = (int(size) for size in batch.target_sizes[0])
     times = objective.sample_times(latents.shape[0], generator, device, (height, width))

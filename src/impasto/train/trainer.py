@@ -15,10 +15,11 @@ from impasto.config import Config
 from impasto.data import Batch, ImageRecord, build_dataloader, derive_seed, scan_image_folder
 from impasto.data.demo import write_demo_dataset
 from impasto.logging import MetricsLogger
-from impasto.models import SDXLComponents, load_components
+from impasto.models import load_components
 from impasto.objectives.objective import Objective
 from impasto.train.memo import EncodingMemo
 from impasto.train.optim import OPTIMIZERS, lr_multiplier, set_lr
+from impasto.train.parts import param_groups, prepare_parts, set_train_mode, trains_text_encoders
 from impasto.train.precision import autocast_factory, resolve_device, resolve_precision
 from impasto.train.signals import StopRequest
 from impasto.train.state import (
@@ -61,10 +62,16 @@ class Trainer:
 
         self.records = load_records(config)
         self.total_steps = count_total_steps(config, len(self.records))
-        self.models = prepare_models(config, device)
-        self.trainable = {"unet": self.models.unet}
-        self.params = [p for p in self.models.unet.parameters() if p.requires_grad]
-        self.optimizer = OPTIMIZERS[config.optim.name](self.params, config.optim)
+        self.models = load_components(
+            config.model.preset, config.model.path, seed=config.model.init_seed
+        )
+        self.trainable = prepare_parts(config, self.models)  # adapters init from the seeded RNG
+        set_train_mode(self.trainable, self.models)
+        self.models.to(device)
+        self.train_text = trains_text_encoders(config)
+        groups = param_groups(self.trainable)
+        self.params = [param for group in groups for param in group["params"]]
+        self.optimizer = OPTIMIZERS[config.optim.name](groups, config.optim)
         self.objective = Objective.from_config(config.objective)
         self.memo = EncodingMemo.from_config(config)
 
@@ -163,7 +170,13 @@ class Trainer:
             seed = derive_seed(config.train.seed, 0, state.step, micro)  # (seed, rank, step, micro)
             generator = torch.Generator().manual_seed(seed)
             out = training_step(
-                self.models, self.objective, batch, generator, self.autocast, self.memo
+                self.models,
+                self.objective,
+                batch,
+                generator,
+                self.autocast,
+                self.memo,
+                train_text=self.train_text,
             )
             (out.loss / accum).backward()
             total_loss += out.loss.detach()
@@ -217,15 +230,6 @@ def load_records(config: Config) -> list[ImageRecord]:
         )
         print(f"impasto: wrote {count} demo images to {path}")
     return scan_image_folder(path)
-
-
-def prepare_models(config: Config, device: torch.device) -> SDXLComponents:
-    """Build or load the components; only the UNet trains (LoRA and TE training: issue #5)."""
-    models = load_components(config.model.preset, config.model.path, seed=config.model.init_seed)
-    for frozen in (models.vae, models.text_encoder, models.text_encoder_2):
-        frozen.requires_grad_(False).eval()
-    models.unet.train()
-    return models.to(device)
 
 
 def count_total_steps(config: Config, num_images: int) -> int:

@@ -1,0 +1,191 @@
+"""Which SDXL components train, and how: full weights, a peft adapter (LoRA family), or frozen.
+
+Config section ``parts`` names a mode per component; ``lora`` holds the adapter settings. The
+same functions serve the trainer (what to optimise and checkpoint) and ``load_trained`` (rebuild
+a checkpoint's model for sampling and export), so a run and its reload agree by construction.
+
+SDXL reads encoder 1's *penultimate* hidden states and never its pooled output, so the last
+layer and the final layer norm of encoder 1 get no gradient. They are kept frozen (full
+fine-tuning) or get no adapter (LoRA): every trainable parameter then receives a gradient,
+which DDP requires (no ``find_unused_parameters``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import peft
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from impasto.config.schema import Config, LoraConfig
+    from impasto.models import SDXLComponents
+
+PARTS = ("unet", "text_encoder", "text_encoder_2")
+ADAPTER_NAME = "default"
+
+# target preset → module-name suffixes (diffusers UNet; transformers CLIP).
+UNET_TARGETS: dict[str, tuple[str, ...]] = {
+    "attention": ("to_q", "to_k", "to_v", "to_out.0"),
+    "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+    "attention_ff_conv": (
+        *("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out"),
+        *("conv1", "conv2", "conv_shortcut", "time_emb_proj"),
+    ),
+}
+TEXT_TARGETS: dict[str, tuple[str, ...]] = {
+    "attention": ("q_proj", "k_proj", "v_proj", "out_proj"),
+    "attention_ff": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    "attention_ff_conv": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+}
+
+
+def unused_by_sdxl(part: str, module: nn.Module) -> tuple[str, ...]:
+    """Name prefixes of ``part``'s submodules that SDXL's conditioning never reads."""
+    if part != "text_encoder":
+        return ()
+    text_model = getattr(module, "text_model", module)  # transformers 5 flattens CLIPTextModel
+    prefix = "text_model." if text_model is not module else ""
+    last = len(text_model.encoder.layers) - 1
+    return (f"{prefix}encoder.layers.{last}.", f"{prefix}final_layer_norm.")
+
+
+def adapter_targets(part: str, module: nn.Module, preset: str) -> list[str]:
+    """Full names of the modules of ``part`` that get an adapter under ``preset``."""
+    suffixes = UNET_TARGETS[preset] if part == "unet" else TEXT_TARGETS[preset]
+    skip = unused_by_sdxl(part, module)
+    return [
+        name
+        for name, child in module.named_modules()
+        if isinstance(child, nn.Linear | nn.Conv2d)
+        and any(name == s or name.endswith("." + s) for s in suffixes)
+        and not name.startswith(skip or ("\0",))
+    ]
+
+
+def peft_config(lora: LoraConfig, targets: list[str]) -> peft.PeftConfig:
+    """The peft config of ``lora.kind``: LoRA (Hu et al. 2021), DoRA (Liu et al. 2024),
+    LoHa (Hyeon-Woo et al. 2022) or LoKr (Yeh et al. 2024, LyCORIS)."""
+    alpha = lora.rank if lora.alpha is None else lora.alpha
+    if lora.kind in ("lora", "dora"):
+        return peft.LoraConfig(
+            r=lora.rank,
+            lora_alpha=alpha,
+            lora_dropout=lora.dropout,
+            target_modules=targets,
+            use_dora=lora.kind == "dora",
+        )
+    config_class = {"loha": peft.LoHaConfig, "lokr": peft.LoKrConfig}[lora.kind]
+    return config_class(
+        r=lora.rank, alpha=alpha, module_dropout=lora.dropout, target_modules=targets
+    )
+
+
+class LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+@dataclass
+class Part:
+    """One trained component: its module, mode (``full`` or an adapter kind) and learning rate."""
+
+    name: str
+    module: nn.Module
+    mode: str
+    lr: float
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.mode != "full"
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for p in self.module.parameters() if p.requires_grad)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """What the checkpoint stores: the whole module, or only the adapter weights."""
+        if self.is_adapter:
+            return peft.get_peft_model_state_dict(self.module, adapter_name=ADAPTER_NAME)
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, Tensor], strict: bool = False) -> LoadResult:
+        if not self.is_adapter:
+            result = self.module.load_state_dict(state, strict=strict)
+            return LoadResult(list(result.missing_keys), list(result.unexpected_keys))
+        expected = set(self.state_dict())
+        result = LoadResult(sorted(expected - set(state)), sorted(set(state) - expected))
+        if not result.missing_keys and not result.unexpected_keys:
+            peft.set_peft_model_state_dict(self.module, state, adapter_name=ADAPTER_NAME)
+        return result
+
+
+def _mode(config: Config, part: str) -> str:
+    mode = getattr(config.parts, part)
+    return config.lora.kind if mode == "lora" else mode
+
+
+def prepare_parts(config: Config, models: SDXLComponents) -> dict[str, Part]:
+    """Freeze everything, then make each configured part trainable (injecting adapters).
+
+    Adapters are initialised from the global RNG: seed it first for a reproducible run.
+    Returns the trained parts by name, in ``PARTS`` order; frozen parts are not listed.
+    """
+    for name in PARTS:
+        getattr(models, name).requires_grad_(False)
+    models.vae.requires_grad_(False)
+    parts = {}
+    for name in PARTS:
+        mode = _mode(config, name)
+        if mode == "frozen":
+            continue
+        module = getattr(models, name)
+        if mode == "full":
+            module.requires_grad_(True)
+            skip = unused_by_sdxl(name, module)
+            for param_name, param in module.named_parameters():
+                if skip and param_name.startswith(skip):
+                    param.requires_grad_(False)
+        else:
+            targets = adapter_targets(name, module, config.lora.targets)
+            peft.inject_adapter_in_model(peft_config(config.lora, targets), module, ADAPTER_NAME)
+            for param_name, param in module.named_parameters():
+                param.requires_grad_(f".{ADAPTER_NAME}" in param_name)  # lora_A.default.weight
+        lr = getattr(config.parts, f"{name}_lr") or config.optim.lr
+        parts[name] = Part(name, module, mode, lr)
+    return parts
+
+
+def param_groups(parts: dict[str, Part]) -> list[dict[str, Any]]:
+    """One optimizer param group per trained part, with its own learning rate."""
+    return [
+        {"params": list(part.parameters()), "lr": part.lr, "name": name}
+        for name, part in parts.items()
+    ]
+
+
+def trains_text_encoders(config: Config) -> bool:
+    return config.parts.text_encoder != "frozen" or config.parts.text_encoder_2 != "frozen"
+
+
+def set_train_mode(parts: dict[str, Part], models: SDXLComponents) -> None:
+    """Trained parts in train mode (dropout), the rest in eval mode."""
+    for name in (*PARTS, "vae"):
+        getattr(models, name).train(name in parts)
+
+
+def load_part_weights(
+    parts: dict[str, Part], tensors: dict[str, dict[str, Tensor]], where: str
+) -> None:
+    """Load each part's checkpoint tensors (``NAME.safetensors``); one-line error on mismatch."""
+    for name, part in parts.items():
+        if name not in tensors:
+            raise ValueError(f"{where}: no {name}.safetensors; it was not written by this run")
+        result = part.load_state_dict(tensors[name], strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            bad = (result.missing_keys or result.unexpected_keys)[0]
+            raise ValueError(
+                f"{where}: {name} weights do not match the model ({bad!r}); "
+                "was model.*, parts.* or lora.* changed? restore it or use --no-resume"
+            )
