@@ -47,6 +47,17 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    from impasto.export import export_checkpoint
+
+    transformers_logging.disable_progress_bar()  # per-module "Loading weights" bars
+
+    print(export_checkpoint(args.checkpoint, args.format, args.out, args.dtype, args.merge))
+    return 0
+
+
 def cmd_data_demo(args: argparse.Namespace) -> int:
     from impasto.data.demo import write_demo_dataset
 
@@ -161,10 +172,25 @@ def build_parser() -> argparse.ArgumentParser:
     objective.add_argument("--plot", metavar="FILE.png", help="also draw the curves")
     objective.set_defaults(func=cmd_inspect_objective)
 
+    export = sub.add_parser("export", help="write a checkpoint in a format other tools load")
+    export.add_argument("checkpoint", help="a run directory or RUN/checkpoints/step-XXXXXXXX")
+    export.add_argument(
+        "--format",
+        required=True,
+        help="diffusers | single-file | lora-kohya | lora-diffusers",
+    )
+    export.add_argument(
+        "--out", required=True, help="output folder (diffusers formats) or .safetensors file"
+    )
+    export.add_argument("--dtype", default="fp16", help="fp16 (default), bf16 or fp32")
+    export.add_argument(
+        "--merge", action="store_true", help="bake a LoRA run's adapters into the full model"
+    )
+    export.set_defaults(func=cmd_export)
+
     sub.add_parser("doctor", help="report the environment").set_defaults(func=cmd_doctor)
     for name, issue, help_text in (
         ("cache", 6, "fill the latent and text-embedding cache"),
-        ("export", 5, "export a checkpoint (single file, diffusers, LoRA)"),
         ("bench", 7, "synthetic speed and memory benchmark"),
     ):
         stub = sub.add_parser(name, help=f"{help_text} (not implemented yet: issue #{issue})")

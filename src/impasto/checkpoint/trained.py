@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from impasto.checkpoint.state import STATE_FILE, latest_checkpoint
 from impasto.config import Config, build_config
-from impasto.models import SDXLComponents, load_components
+from impasto.models import SDXLComponents, load_model
 
 
 def model_metadata(config: Config) -> dict[str, str]:
@@ -80,7 +80,7 @@ def load_trained(path: str | Path) -> tuple[Config, SDXLComponents]:
     if not config_file.is_file():
         raise ValueError(f"checkpoint {checkpoint}: no config.yaml; it was not written by impasto")
     config = build_config(yaml.safe_load(config_file.read_text(encoding="utf-8")))
-    models = load_components(config.model.preset, config.model.path, seed=config.model.init_seed)
+    models = load_model(config)
     parts = prepare_parts(config, models)
     tensors = {}
     for name in parts:

@@ -23,8 +23,13 @@ class ModelConfig(Section):
     """Where the SDXL components come from: a built-in preset or a local diffusers folder."""
 
     preset: str | None = None
-    path: str | None = None
+    path: str | None = Field(
+        None, description="a diffusers SDXL folder, or a single-file .safetensors checkpoint"
+    )
     init_seed: int = Field(0, ge=0, description="seed of the random init of preset models")
+    allow_pickle: bool = Field(
+        False, description="read a .ckpt/.pt single file (torch.load, weights_only)"
+    )
 
     @field_validator("preset")
     @classmethod
@@ -39,7 +44,8 @@ class ModelConfig(Section):
     def _one_source(self) -> ModelConfig:
         if (self.preset is None) == (self.path is None):
             raise ValueError(
-                "set exactly one of model.preset (e.g. tiny) or model.path (a diffusers folder)"
+                "set exactly one of model.preset (e.g. tiny) or model.path (a diffusers folder "
+                "or a single-file .safetensors)"
             )
         return self
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from impasto.models.components import (
     PromptEmbeds,
     SDXLComponents,
@@ -12,17 +14,34 @@ from impasto.models.io import load_diffusers, save_diffusers, sdxl_scheduler, to
 from impasto.models.presets import PRESETS, build_preset, build_tiny
 from impasto.models.tokenizers import load_clip_tokenizers
 
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth")
 
-def load_components(preset: str | None, path: str | None, seed: int = 0) -> SDXLComponents:
-    """Build the random preset ``preset`` or load the diffusers folder ``path`` (exactly one)."""
+
+def load_components(
+    preset: str | None, path: str | None, seed: int = 0, allow_pickle: bool = False
+) -> SDXLComponents:
+    """Build the random preset ``preset``, or load ``path`` (exactly one): a diffusers SDXL
+    folder, or a single-file SDXL checkpoint (``.safetensors``; pickles only with
+    ``allow_pickle``).
+    """
     if (preset is None) == (path is None):
         raise ValueError(
             "set exactly one of model.preset (one of "
-            f"{sorted(PRESETS)}) and model.path (a diffusers SDXL folder)"
+            f"{sorted(PRESETS)}) and model.path (a diffusers SDXL folder or single file)"
         )
     if preset is not None:
         return build_preset(preset, seed)
+    if Path(path).suffix.lower() in SINGLE_FILE_SUFFIXES:
+        from impasto.models.single_file import load_single_file
+
+        return load_single_file(path, allow_pickle=allow_pickle)
     return load_diffusers(path)
+
+
+def load_model(config) -> SDXLComponents:
+    """The components ``config.model`` names (a :class:`~impasto.config.Config`)."""
+    model = config.model
+    return load_components(model.preset, model.path, model.init_seed, model.allow_pickle)
 
 
 __all__ = [
@@ -36,6 +55,7 @@ __all__ = [
     "load_clip_tokenizers",
     "load_components",
     "load_diffusers",
+    "load_model",
     "save_diffusers",
     "sdxl_scheduler",
     "to_pipeline",

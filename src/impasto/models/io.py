@@ -83,10 +83,17 @@ def to_pipeline(components: SDXLComponents) -> StableDiffusionXLPipeline:
     )
 
 
-def save_diffusers(components: SDXLComponents, path: str | Path) -> None:
-    """Write ``components`` to ``path`` as a diffusers SDXL folder with safetensors weights."""
+def save_diffusers(components: SDXLComponents, path: str | Path, scheduler: Any = None) -> None:
+    """Write ``components`` to ``path`` as a diffusers SDXL folder with safetensors weights.
+
+    ``scheduler``: the one to ship (default SDXL's ε scheduler; exports pass the one matching
+    the trained objective).
+    """
     path = Path(path)
-    to_pipeline(components).save_pretrained(path, safe_serialization=True)
+    pipe = to_pipeline(components)
+    if scheduler is not None:
+        pipe.scheduler = scheduler
+    pipe.save_pretrained(path, safe_serialization=True)
     # transformers 5 saves only tokenizer.json; 4.x's CLIPTokenizer needs vocab.json + merges.txt,
     # which the SDXL release also ships, so add them for portability.
     with as_file(files("impasto") / "assets" / "clip") as asset_dir:

@@ -15,7 +15,7 @@ from impasto.config import Config
 from impasto.data import Batch, ImageRecord, build_dataloader, derive_seed, scan_image_folder
 from impasto.data.demo import write_demo_dataset
 from impasto.logging import MetricsLogger
-from impasto.models import load_components
+from impasto.models import load_model
 from impasto.objectives.objective import Objective
 from impasto.train.memo import EncodingMemo
 from impasto.train.optim import OPTIMIZERS, lr_multiplier, set_lr
@@ -62,9 +62,7 @@ class Trainer:
 
         self.records = load_records(config)
         self.total_steps = count_total_steps(config, len(self.records))
-        self.models = load_components(
-            config.model.preset, config.model.path, seed=config.model.init_seed
-        )
+        self.models = load_model(config)
         self.trainable = prepare_parts(config, self.models)  # adapters init from the seeded RNG
         set_train_mode(self.trainable, self.models)
         self.models.to(device)

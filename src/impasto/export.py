@@ -1,0 +1,213 @@
+"""``impasto export``: a trained checkpoint in the formats other tools load (docs/formats.md).
+
+- ``diffusers``: a ``StableDiffusionXLPipeline`` folder whose scheduler says how to sample the
+  model (v-prediction, zero terminal SNR and trailing spacing, or flow matching with its shift).
+- ``single-file``: one ``.safetensors`` in the original SGM layout (A1111, ComfyUI, Forge),
+  with ComfyUI's ``v_pred`` / ``ztsnr`` marker keys and SAI model-spec metadata.
+- ``lora-diffusers``: the adapters of a LoRA/DoRA run as ``pytorch_lora_weights.safetensors``,
+  what ``pipe.load_lora_weights`` reads.
+- ``lora-kohya``: the adapters of a LoRA run in kohya's layout (``lora_unet_…``, SGM names),
+  one ``.safetensors`` that ComfyUI, A1111 and Forge load.
+
+A LoRA run exports to the full-model formats only with ``merge=True`` (the adapters baked into
+the base weights).
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import peft
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusionXLPipeline
+from diffusers.utils import convert_state_dict_to_diffusers
+from peft.tuners.tuners_utils import BaseTunerLayer
+from safetensors.torch import save_file
+from torch import nn
+
+from impasto.checkpoint.trained import load_trained, model_metadata
+from impasto.config import Config
+from impasto.models import SDXLComponents
+from impasto.models.io import save_diffusers, sdxl_scheduler
+from impasto.models.lora_kohya import to_kohya
+from impasto.models.single_file import save_single_file
+from impasto.train.parts import ADAPTER_NAME, PARTS
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+
+
+def scheduler_for(config: Config):
+    """The diffusers scheduler that samples a model trained with ``config.objective``."""
+    objective = config.objective
+    if objective.is_flow:
+        return FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=objective.num_train_timesteps, shift=objective.flow_shift
+        )
+    scheduler = sdxl_scheduler()
+    changes = {
+        "num_train_timesteps": objective.num_train_timesteps,
+        "beta_start": objective.beta_start,
+        "beta_end": objective.beta_end,
+        "beta_schedule": {"cosine": "squaredcos_cap_v2"}.get(
+            objective.schedule, objective.schedule
+        ),
+        "prediction_type": objective.prediction_type,
+    }
+    if objective.zero_terminal_snr:
+        changes |= {"rescale_betas_zero_snr": True, "timestep_spacing": "trailing"}
+    return type(scheduler).from_config(scheduler.config, **changes)
+
+
+def adapter_parts(config: Config) -> list[str]:
+    return [name for name in PARTS if getattr(config.parts, name) == "lora"]
+
+
+def merge_adapters(module: nn.Module) -> None:
+    """Fold every peft adapter of ``module`` into its base layer and drop the adapter, in place."""
+    for name, child in list(module.named_modules()):
+        if isinstance(child, BaseTunerLayer):
+            child.merge(safe_merge=True)
+            parent_name, _, attribute = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attribute, child.get_base_layer())
+
+
+def _full_model(config: Config, models: SDXLComponents, merge: bool, fmt: str) -> None:
+    adapters = adapter_parts(config)
+    if adapters and not merge:
+        raise ValueError(
+            f"export: this run trained {config.lora.kind} adapters ({', '.join(adapters)}); "
+            f"export them with --format lora-diffusers, or add --merge to bake them into a {fmt}"
+        )
+    for name in adapters:
+        merge_adapters(getattr(models, name))
+
+
+def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: str, merge: bool) -> Path:
+    config, models = load_trained(checkpoint)
+    _full_model(config, models, merge, "diffusers folder")
+    for name in (*PARTS, "vae"):
+        getattr(models, name).to(DTYPES[dtype])
+    save_diffusers(models, out, scheduler=scheduler_for(config))
+    return Path(out)
+
+
+def _adapter_states(
+    checkpoint: str | Path, kinds: tuple[str, ...], fmt: str
+) -> tuple[Config, SDXLComponents, dict[str, dict]]:
+    """The run's config, models and peft adapter weights per adapted part."""
+    config, models = load_trained(checkpoint)
+    adapters = adapter_parts(config)
+    if not adapters:
+        raise ValueError("export: this run trained no adapters (parts.* = lora); nothing to export")
+    if config.lora.kind not in kinds:
+        raise ValueError(
+            f"export: the {fmt} format holds {'/'.join(kinds)} only, not {config.lora.kind}"
+        )
+    states = {
+        name: peft.get_peft_model_state_dict(getattr(models, name), adapter_name=ADAPTER_NAME)
+        for name in adapters
+    }
+    return config, models, states
+
+
+def export_lora_diffusers(
+    checkpoint: str | Path, out: str | Path, dtype: str, merge: bool = False
+) -> Path:
+    config, models, states = _adapter_states(checkpoint, ("lora", "dora"), "diffusers LoRA")
+    layers = {}
+    for name, state in states.items():
+        state = convert_state_dict_to_diffusers(state)
+        layers[f"{name}_lora_layers"] = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
+    StableDiffusionXLPipeline.save_lora_weights(out, weight_name=LORA_WEIGHTS_NAME, **layers)
+    return Path(out) / LORA_WEIGHTS_NAME
+
+
+def modelspec_metadata(config: Config, title: str, lora: bool) -> dict[str, str]:
+    """SAI model-spec 1.0 header fields (github.com/Stability-AI/ModelSpec), as kohya writes."""
+    objective = config.objective
+    prediction = {"epsilon": "epsilon", "v_prediction": "v"}.get(
+        objective.prediction_type, objective.prediction_type
+    )
+    size = config.data.resolution
+    return {
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": "stable-diffusion-xl-v1-base" + ("/lora" if lora else ""),
+        "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
+        "modelspec.title": title,
+        "modelspec.resolution": f"{size}x{size}",
+        "modelspec.prediction_type": prediction,
+        "modelspec.date": datetime.date.today().isoformat(),
+    }
+
+
+def sampling_marker_keys(config: Config) -> dict[str, torch.Tensor]:
+    """The keys ComfyUI reads from an SDXL checkpoint to sample it right: ``v_pred`` switches to
+    v-prediction and ``ztsnr`` to zero terminal SNR (comfy/supported_models.py, SDXL)."""
+    objective = config.objective
+    keys = {}
+    if objective.prediction_type == "v_prediction":
+        keys["v_pred"] = torch.tensor([])
+    if objective.zero_terminal_snr:
+        keys["ztsnr"] = torch.tensor([])
+    return keys
+
+
+def _title(checkpoint: str | Path) -> str:
+    return Path(checkpoint).resolve().name
+
+
+def export_single_file(checkpoint: str | Path, out: str | Path, dtype: str, merge: bool) -> Path:
+    config, models = load_trained(checkpoint)
+    _full_model(config, models, merge, "single file")
+    metadata = modelspec_metadata(config, _title(checkpoint), lora=False) | model_metadata(config)
+    save_single_file(
+        models,
+        out,
+        dtype=DTYPES[dtype],
+        extra_keys=sampling_marker_keys(config),
+        metadata=metadata,
+    )
+    return Path(out)
+
+
+def export_lora_kohya(
+    checkpoint: str | Path, out: str | Path, dtype: str, merge: bool = False
+) -> Path:
+    config, models, states = _adapter_states(checkpoint, ("lora",), "kohya LoRA")
+    alpha = config.lora.rank if config.lora.alpha is None else config.lora.alpha
+    tensors = {}
+    for name, state in states.items():
+        tensors |= to_kohya(name, getattr(models, name), state, alpha)
+    tensors = {key: value.to(DTYPES[dtype]).contiguous() for key, value in tensors.items()}
+    metadata = modelspec_metadata(config, _title(checkpoint), lora=True) | model_metadata(config)
+    metadata |= {"ss_network_dim": str(config.lora.rank), "ss_network_alpha": repr(alpha)}
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"export: {out}: a kohya LoRA is one file; give a .safetensors name")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out, metadata=metadata)
+    return out
+
+
+# name → exporter(checkpoint, out, dtype, merge); the LoRA formats ignore ``merge``.
+EXPORTERS = {
+    "diffusers": export_diffusers,
+    "single-file": export_single_file,
+    "lora-diffusers": export_lora_diffusers,
+    "lora-kohya": export_lora_kohya,
+}
+FORMATS = tuple(EXPORTERS)
+
+
+def export_checkpoint(
+    checkpoint: str | Path, fmt: str, out: str | Path, dtype: str = "fp16", merge: bool = False
+) -> Path:
+    """Write the model of ``checkpoint`` (a checkpoint or run directory) as ``fmt`` to ``out``."""
+    if fmt not in EXPORTERS:
+        raise ValueError(f"export: unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"export: unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return EXPORTERS[fmt](checkpoint, out, dtype, merge)
