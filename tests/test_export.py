@@ -17,7 +17,7 @@ from impasto.models.io import to_pipeline
 from impasto.models.lora_kohya import from_kohya
 from impasto.models.presets import build_tiny
 from impasto.models.single_file import load_single_file, sgm_state_dict
-from impasto.train.trainer import train
+from impasto.train.trainer import Trainer, train
 
 
 def _run(tiny_raw, tmp_path, name, **sections):
@@ -235,3 +235,26 @@ def test_kohya_round_trip_is_bit_exact(tiny_raw, tmp_path):
             assert torch.equal(states[part][key], tensor), key
     with pytest.raises(ValueError, match="rank 4, the config's lora.rank is 8"):
         from_kohya(modules, load_file(out), rank=8, alpha=4.0)
+
+
+def test_a_run_starts_from_a_kohya_lora(tiny_raw, tmp_path, capsys):
+    run = _run(tiny_raw, tmp_path, "lora", parts={"unet": "lora"}, lora={"rank": 4})
+    out = tmp_path / "lora.safetensors"
+    assert (
+        main(["export", str(run), "--format", "lora-kohya", "--out", str(out), "--dtype", "fp32"])
+        == 0
+    )
+    _, trained = load_trained(run)
+    tiny_raw["lora"] = {"rank": 4, "init_from": str(out)}
+    tiny_raw["train"]["output_dir"] = str(tmp_path / "continued")
+    trainer = Trainer(build_config(tiny_raw), resume=False)
+    expected = get_peft_model_state_dict(trained.unet)
+    started = get_peft_model_state_dict(trainer.models.unet)
+    assert expected.keys() == started.keys()
+    assert all(torch.equal(started[key], expected[key]) for key in expected)
+    assert f"started {len(expected) // 2} LoRA layers" in capsys.readouterr().out
+    tiny_raw["lora"] = {"rank": 8, "init_from": str(out)}
+    with pytest.raises(
+        ValueError, match="lora.init_from .*lora.safetensors: lora: .*lora.alpha is 8"
+    ):
+        Trainer(build_config(tiny_raw), resume=False)

@@ -274,6 +274,9 @@ class LoraConfig(Section):
     targets: Literal["attention", "attention_ff", "attention_ff_conv"] = Field(
         "attention", description="attention; + feed-forward; + ResNet convs and projections"
     )
+    init_from: str | None = Field(
+        None, description="a kohya LoRA .safetensors to start the adapters from (kind: lora)"
+    )
 
 
 class OptimConfig(Section):

@@ -189,3 +189,33 @@ def load_part_weights(
                 f"{where}: {name} weights do not match the model ({bad!r}); "
                 "was model.*, parts.* or lora.* changed? restore it or use --no-resume"
             )
+
+
+def init_adapters_from_kohya(parts: dict[str, Part], lora: LoraConfig) -> int:
+    """Start the adapters from the kohya LoRA file ``lora.init_from``; returns layers loaded.
+
+    The file may cover fewer layers than ``lora.targets`` (the rest keep their identity
+    init); an entry for a layer without an adapter, another rank or alpha is an error.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from impasto.models.lora_kohya import from_kohya
+
+    path = lora.init_from
+    if lora.kind != "lora":
+        raise ValueError(f"lora.init_from: a kohya LoRA starts kind lora, not {lora.kind}")
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"lora.init_from: cannot read {path} ({error})") from None
+    adapters = {name: part.module for name, part in parts.items() if part.is_adapter}
+    alpha = lora.rank if lora.alpha is None else lora.alpha
+    try:
+        states = from_kohya(adapters, tensors, lora.rank, alpha)
+    except ValueError as error:
+        raise ValueError(f"lora.init_from {path}: {error}") from None
+    for name, state in states.items():
+        if state:
+            peft.set_peft_model_state_dict(parts[name].module, state, adapter_name=ADAPTER_NAME)
+    return sum(len(state) for state in states.values()) // 2

@@ -19,7 +19,13 @@ from impasto.models import load_model
 from impasto.objectives.objective import Objective
 from impasto.train.memo import EncodingMemo
 from impasto.train.optim import OPTIMIZERS, lr_multiplier, set_lr
-from impasto.train.parts import param_groups, prepare_parts, set_train_mode, trains_text_encoders
+from impasto.train.parts import (
+    init_adapters_from_kohya,
+    param_groups,
+    prepare_parts,
+    set_train_mode,
+    trains_text_encoders,
+)
 from impasto.train.precision import autocast_factory, resolve_device, resolve_precision
 from impasto.train.signals import StopRequest
 from impasto.train.state import (
@@ -64,6 +70,9 @@ class Trainer:
         self.total_steps = count_total_steps(config, len(self.records))
         self.models = load_model(config)
         self.trainable = prepare_parts(config, self.models)  # adapters init from the seeded RNG
+        if config.lora.init_from:
+            count = init_adapters_from_kohya(self.trainable, config.lora)
+            print(f"impasto: started {count} LoRA layers from {config.lora.init_from}")
         set_train_mode(self.trainable, self.models)
         self.models.to(device)
         self.train_text = trains_text_encoders(config)
