@@ -258,3 +258,35 @@ def test_a_run_starts_from_a_kohya_lora(tiny_raw, tmp_path, capsys):
         ValueError, match="lora.init_from .*lora.safetensors: lora: .*lora.alpha is 8"
     ):
         Trainer(build_config(tiny_raw), resume=False)
+
+
+def test_merge_lora_adds_a_kohya_lora_to_another_model(tiny_raw, tmp_path):
+    parts = {"unet": "lora", "text_encoder": "lora", "text_encoder_2": "lora"}
+    lora_run = _run(tiny_raw, tmp_path, "lora", parts=parts, lora={"rank": 4, "alpha": 8.0})
+    lora_file = tmp_path / "lora.safetensors"
+    args = ["--dtype", "fp32"]
+    assert (
+        main(["export", str(lora_run), "--format", "lora-kohya", "--out", str(lora_file), *args])
+        == 0
+    )
+    _, adapted = load_trained(lora_run)
+    for part in parts:
+        merge_adapters(getattr(adapted, part))
+    base = build_tiny(0)
+
+    full_run = _run(tiny_raw, tmp_path, "full", parts={"unet": "full"}, lora={})
+    out = tmp_path / "merged"
+    merge = ["--merge-lora", str(lora_file), "--lora-scale", "0.5"]
+    assert (
+        main(["export", str(full_run), "--format", "diffusers", "--out", str(out), *args, *merge])
+        == 0
+    )
+    exported = StableDiffusionXLPipeline.from_pretrained(out)
+    _, full = load_trained(full_run)
+    # The LoRA's delta does not depend on the base: exported − full = ½·(adapted − base).
+    for part in parts:
+        before, lora_delta = getattr(full, part).state_dict(), getattr(adapted, part).state_dict()
+        base_state = getattr(base, part).state_dict()
+        for key, tensor in getattr(exported, part).state_dict().items():
+            expected = before[key] + 0.5 * (lora_delta[key] - base_state[key])
+            torch.testing.assert_close(tensor, expected, rtol=1e-5, atol=1e-6, msg=f"{part} {key}")

@@ -50,11 +50,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
-    from impasto.export import export_checkpoint
+    from impasto.export import ExportOptions, export_checkpoint
 
     transformers_logging.disable_progress_bar()  # per-module "Loading weights" bars
 
-    print(export_checkpoint(args.checkpoint, args.format, args.out, args.dtype, args.merge))
+    options = ExportOptions(args.dtype, args.merge, args.merge_lora, args.lora_scale)
+    print(export_checkpoint(args.checkpoint, args.format, args.out, options))
     return 0
 
 
@@ -186,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--merge", action="store_true", help="bake a LoRA run's adapters into the full model"
     )
+    export.add_argument(
+        "--merge-lora", metavar="FILE", help="add a kohya LoRA .safetensors to the full model"
+    )
+    export.add_argument("--lora-scale", type=float, default=1.0, help="its strength (default 1)")
     export.set_defaults(func=cmd_export)
 
     sub.add_parser("doctor", help="report the environment").set_defaults(func=cmd_doctor)

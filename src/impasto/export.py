@@ -16,6 +16,7 @@ the base weights).
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from pathlib import Path
 
 import peft
@@ -23,18 +24,29 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusionXLPipeline
 from diffusers.utils import convert_state_dict_to_diffusers
 from peft.tuners.tuners_utils import BaseTunerLayer
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from impasto.checkpoint.trained import load_trained, model_metadata
 from impasto.config import Config
 from impasto.models import SDXLComponents
 from impasto.models.io import save_diffusers, sdxl_scheduler
-from impasto.models.lora_kohya import to_kohya
+from impasto.models.lora_kohya import merge_kohya, to_kohya
 from impasto.models.single_file import save_single_file
 from impasto.train.parts import ADAPTER_NAME, PARTS
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    dtype: str = "fp16"  # a key of DTYPES
+    merge: bool = False  # bake a LoRA run's adapters into the full model
+    merge_lora: str | None = None  # a kohya LoRA file to add to the full model
+    lora_scale: float = 1.0  # its strength
+
+
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 
 
@@ -74,22 +86,29 @@ def merge_adapters(module: nn.Module) -> None:
             setattr(parent, attribute, child.get_base_layer())
 
 
-def _full_model(config: Config, models: SDXLComponents, merge: bool, fmt: str) -> None:
+def _full_model(config: Config, models: SDXLComponents, options: ExportOptions, fmt: str) -> None:
+    """Make ``models`` a plain SDXL model: merge the run's adapters, then ``merge_lora``."""
     adapters = adapter_parts(config)
-    if adapters and not merge:
+    if adapters and not options.merge:
         raise ValueError(
             f"export: this run trained {config.lora.kind} adapters ({', '.join(adapters)}); "
             f"export them with --format lora-diffusers, or add --merge to bake them into a {fmt}"
         )
     for name in adapters:
         merge_adapters(getattr(models, name))
+    if options.merge_lora:
+        try:
+            tensors = load_file(options.merge_lora)
+        except (OSError, SafetensorError) as error:
+            raise ValueError(f"export: cannot read {options.merge_lora} ({error})") from None
+        merge_kohya(models, tensors, options.lora_scale)
 
 
-def export_diffusers(checkpoint: str | Path, out: str | Path, dtype: str, merge: bool) -> Path:
+def export_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
     config, models = load_trained(checkpoint)
-    _full_model(config, models, merge, "diffusers folder")
+    _full_model(config, models, options, "diffusers folder")
     for name in (*PARTS, "vae"):
-        getattr(models, name).to(DTYPES[dtype])
+        getattr(models, name).to(DTYPES[options.dtype])
     save_diffusers(models, out, scheduler=scheduler_for(config))
     return Path(out)
 
@@ -113,14 +132,12 @@ def _adapter_states(
     return config, models, states
 
 
-def export_lora_diffusers(
-    checkpoint: str | Path, out: str | Path, dtype: str, merge: bool = False
-) -> Path:
+def export_lora_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
     config, models, states = _adapter_states(checkpoint, ("lora", "dora"), "diffusers LoRA")
     layers = {}
     for name, state in states.items():
         state = convert_state_dict_to_diffusers(state)
-        layers[f"{name}_lora_layers"] = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
+        layers[f"{name}_lora_layers"] = {k: v.to(DTYPES[options.dtype]) for k, v in state.items()}
     StableDiffusionXLPipeline.save_lora_weights(out, weight_name=LORA_WEIGHTS_NAME, **layers)
     return Path(out) / LORA_WEIGHTS_NAME
 
@@ -159,29 +176,27 @@ def _title(checkpoint: str | Path) -> str:
     return Path(checkpoint).resolve().name
 
 
-def export_single_file(checkpoint: str | Path, out: str | Path, dtype: str, merge: bool) -> Path:
+def export_single_file(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
     config, models = load_trained(checkpoint)
-    _full_model(config, models, merge, "single file")
+    _full_model(config, models, options, "single file")
     metadata = modelspec_metadata(config, _title(checkpoint), lora=False) | model_metadata(config)
     save_single_file(
         models,
         out,
-        dtype=DTYPES[dtype],
+        dtype=DTYPES[options.dtype],
         extra_keys=sampling_marker_keys(config),
         metadata=metadata,
     )
     return Path(out)
 
 
-def export_lora_kohya(
-    checkpoint: str | Path, out: str | Path, dtype: str, merge: bool = False
-) -> Path:
+def export_lora_kohya(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
     config, models, states = _adapter_states(checkpoint, ("lora",), "kohya LoRA")
     alpha = config.lora.rank if config.lora.alpha is None else config.lora.alpha
     tensors = {}
     for name, state in states.items():
         tensors |= to_kohya(name, getattr(models, name), state, alpha)
-    tensors = {key: value.to(DTYPES[dtype]).contiguous() for key, value in tensors.items()}
+    tensors = {key: value.to(DTYPES[options.dtype]).contiguous() for key, value in tensors.items()}
     metadata = modelspec_metadata(config, _title(checkpoint), lora=True) | model_metadata(config)
     metadata |= {"ss_network_dim": str(config.lora.rank), "ss_network_alpha": repr(alpha)}
     out = Path(out)
@@ -192,7 +207,7 @@ def export_lora_kohya(
     return out
 
 
-# name → exporter(checkpoint, out, dtype, merge); the LoRA formats ignore ``merge``.
+# name → exporter(checkpoint, out, options); the LoRA formats ignore the merge options.
 EXPORTERS = {
     "diffusers": export_diffusers,
     "single-file": export_single_file,
@@ -203,11 +218,16 @@ FORMATS = tuple(EXPORTERS)
 
 
 def export_checkpoint(
-    checkpoint: str | Path, fmt: str, out: str | Path, dtype: str = "fp16", merge: bool = False
+    checkpoint: str | Path, fmt: str, out: str | Path, options: ExportOptions | None = None
 ) -> Path:
     """Write the model of ``checkpoint`` (a checkpoint or run directory) as ``fmt`` to ``out``."""
+    options = options or ExportOptions()
     if fmt not in EXPORTERS:
         raise ValueError(f"export: unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"export: unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    return EXPORTERS[fmt](checkpoint, out, dtype, merge)
+    if options.dtype not in DTYPES:
+        raise ValueError(f"export: unknown dtype {options.dtype!r}; valid: {', '.join(DTYPES)}")
+    if options.merge_lora and fmt.startswith("lora-"):
+        raise ValueError(
+            "export: --merge-lora adds a LoRA to a full model (diffusers, single-file)"
+        )
+    return EXPORTERS[fmt](checkpoint, out, options)

@@ -80,3 +80,34 @@ def from_kohya(
             )
         states[part][f"{module_name}.{inverse[suffix]}"] = tensor
     return states
+
+
+def merge_kohya(models, kohya: dict[str, Tensor], scale: float = 1.0) -> int:
+    """Add a kohya LoRA to the base weights in place: W += scale·up·down·alpha/rank per entry.
+
+    ``models`` is an :class:`~impasto.models.SDXLComponents` without adapters. Convolution
+    entries (4-D down [r, in, kh, kw], up [out, r, 1, 1]) merge as their matrix product.
+    Returns the number of layers merged; an entry naming no layer is a ValueError.
+    """
+    layers = {}
+    for part in PREFIXES:
+        module = getattr(models, part)
+        for name, child in module.named_modules():
+            if isinstance(child, nn.Linear | nn.Conv2d):
+                layers[kohya_module_name(part, name, module)] = child
+    names = {key.partition(".")[0] for key in kohya}
+    unknown = sorted(names - set(layers))
+    if unknown:
+        raise ValueError(f"lora: {unknown[0]} names no layer of this SDXL model")
+    for name in names:
+        down, up = (
+            kohya[f"{name}.lora_down.weight"].float(),
+            kohya[f"{name}.lora_up.weight"].float(),
+        )
+        rank = down.shape[0]
+        alpha = float(kohya[f"{name}.alpha"]) if f"{name}.alpha" in kohya else rank
+        weight = layers[name].weight
+        delta = (up.flatten(1) @ down.flatten(1)).reshape(weight.shape) * (scale * alpha / rank)
+        with torch.no_grad():
+            weight += delta.to(weight.dtype)
+    return len(names)
