@@ -216,6 +216,12 @@ def test_kohya_lora_applied_independently_equals_the_merged_model(tiny_raw, tmp_
     for key in te2:
         torch.testing.assert_close(applied["te2"][key], merged_te2[key], rtol=1e-5, atol=1e-6)
 
+    # diffusers' own kohya-format loader (SGM block names mapped by diffusers) agrees exactly.
+    pipe = to_pipeline(build_tiny(0))
+    pipe.load_lora_weights(out)
+    torch.testing.assert_close(_unet_output(pipe.unet), _unet_output(merged.unet))
+    torch.testing.assert_close(_prompt_embeds(pipe), _prompt_embeds(to_pipeline(merged)))
+
 
 def test_kohya_round_trip_is_bit_exact(tiny_raw, tmp_path):
     parts = {"unet": "lora", "text_encoder": "lora"}
