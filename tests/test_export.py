@@ -8,6 +8,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusionXLPipeline
 from peft import get_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tiny_inputs import tiny_unet_output
 
 from impasto.checkpoint.trained import load_trained
 from impasto.cli import main
@@ -27,15 +28,6 @@ def _run(tiny_raw, tmp_path, name, **sections):
     for section, values in sections.items():
         tiny_raw[section] = values
     return train(build_config(tiny_raw)).run_dir
-
-
-def _unet_output(unet) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(5)
-    x = torch.randn(1, 4, 8, 8, generator=generator)
-    context = torch.randn(1, 77, 64, generator=generator)
-    added = {"text_embeds": torch.randn(1, 32, generator=generator), "time_ids": torch.ones(1, 6)}
-    with torch.no_grad():
-        return unet(x, torch.tensor([500]), context, added_cond_kwargs=added).sample
 
 
 def _prompt_embeds(pipe) -> torch.Tensor:
@@ -80,7 +72,7 @@ def test_lora_exports_load_in_diffusers_and_merge_exactly(tiny_raw, tmp_path, ca
     run = _run(tiny_raw, tmp_path, "lora", parts=parts, lora={"rank": 4})
     _, trained = load_trained(run)
     base = to_pipeline(build_tiny(0))
-    assert not torch.allclose(_unet_output(trained.unet), _unet_output(base.unet))
+    assert not torch.allclose(tiny_unet_output(trained.unet), tiny_unet_output(base.unet))
 
     # diffusers/peft format: a fresh base pipeline + load_lora_weights equals the trained model.
     lora_dir = tmp_path / "lora"
@@ -100,7 +92,7 @@ def test_lora_exports_load_in_diffusers_and_merge_exactly(tiny_raw, tmp_path, ca
         == 0
     )
     base.load_lora_weights(lora_dir)
-    torch.testing.assert_close(_unet_output(base.unet), _unet_output(trained.unet))
+    torch.testing.assert_close(tiny_unet_output(base.unet), tiny_unet_output(trained.unet))
     torch.testing.assert_close(_prompt_embeds(base), _prompt_embeds(to_pipeline(trained)))
 
     # A full-model export of a LoRA run needs --merge, then equals the adapted model.
@@ -112,7 +104,7 @@ def test_lora_exports_load_in_diffusers_and_merge_exactly(tiny_raw, tmp_path, ca
     assert main([*args, "--merge"]) == 0
     pipe = StableDiffusionXLPipeline.from_pretrained(merged)
     torch.testing.assert_close(
-        _unet_output(pipe.unet), _unet_output(trained.unet), rtol=1e-5, atol=1e-5
+        tiny_unet_output(pipe.unet), tiny_unet_output(trained.unet), rtol=1e-5, atol=1e-5
     )
     assert not any("lora" in key for key in pipe.unet.state_dict())
 
@@ -219,7 +211,7 @@ def test_kohya_lora_applied_independently_equals_the_merged_model(tiny_raw, tmp_
     # diffusers' own kohya-format loader (SGM block names mapped by diffusers) agrees exactly.
     pipe = to_pipeline(build_tiny(0))
     pipe.load_lora_weights(out)
-    torch.testing.assert_close(_unet_output(pipe.unet), _unet_output(merged.unet))
+    torch.testing.assert_close(tiny_unet_output(pipe.unet), tiny_unet_output(merged.unet))
     torch.testing.assert_close(_prompt_embeds(pipe), _prompt_embeds(to_pipeline(merged)))
 
 

@@ -7,36 +7,15 @@ from contextlib import nullcontext
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_inputs import tiny_batch, tiny_unet_output
 
 from impasto.checkpoint.trained import load_trained
 from impasto.config import build_config
-from impasto.data import Batch
 from impasto.models.presets import build_tiny
 from impasto.objectives.objective import Objective
 from impasto.train.parts import PARTS, adapter_targets, prepare_parts
 from impasto.train.step import training_step
 from impasto.train.trainer import Trainer, train
-
-
-def _batch() -> Batch:
-    generator = torch.Generator().manual_seed(0)
-    return Batch(
-        pixel_values=torch.rand(2, 3, 64, 64, generator=generator) * 2 - 1,
-        captions=["a red circle", "a blue square"],
-        original_sizes=torch.tensor([[64, 64]] * 2),
-        crop_top_lefts=torch.zeros(2, 2, dtype=torch.long),
-        target_sizes=torch.tensor([[64, 64]] * 2),
-        indices=torch.arange(2),
-    )
-
-
-def _unet_output(models) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(5)
-    x = torch.randn(1, 4, 8, 8, generator=generator)
-    context = torch.randn(1, 77, 64, generator=generator)
-    added = {"text_embeds": torch.randn(1, 32, generator=generator), "time_ids": torch.ones(1, 6)}
-    with torch.no_grad():
-        return models.unet(x, torch.tensor([500]), context, added_cond_kwargs=added).sample
 
 
 def _config(tiny_raw, **sections):
@@ -49,10 +28,11 @@ def _config(tiny_raw, **sections):
 def test_adapters_start_as_the_identity_and_only_they_train(tiny_raw, kind):
     config = _config(tiny_raw, parts={"unet": "lora"}, lora={"kind": kind, "rank": 4})
     models = build_tiny(0)
-    before = _unet_output(models)
+    before = tiny_unet_output(models.unet)
     base = {name: p.clone() for name, p in models.unet.named_parameters()}
     parts = prepare_parts(config, models)
-    torch.testing.assert_close(_unet_output(models), before)  # the adapted model starts as the base
+    # The adapted model starts as the base.
+    torch.testing.assert_close(tiny_unet_output(models.unet), before)
     trainable = [name for name, p in models.unet.named_parameters() if p.requires_grad]
     assert trainable and all(".default" in name for name in trainable)
     assert list(parts) == ["unet"] and parts["unet"].mode == kind
@@ -87,7 +67,12 @@ def test_text_encoder_full_finetune_trains_every_parameter_sdxl_reads(tiny_raw):
     )
     objective = Objective.from_config(config.objective)
     out = training_step(
-        models, objective, _batch(), torch.Generator().manual_seed(1), nullcontext, train_text=True
+        models,
+        objective,
+        tiny_batch(),
+        torch.Generator().manual_seed(1),
+        nullcontext,
+        train_text=True,
     )
     out.loss.backward()
     # DDP without find_unused_parameters needs a gradient on every trainable parameter.
@@ -149,8 +134,8 @@ def test_lora_run_resumes_exactly_and_reloads_for_sampling(tiny_raw, tmp_path):
     models = build_tiny(0)
     parts = prepare_parts(config, models)
     parts["unet"].load_state_dict(weights)
-    torch.testing.assert_close(_unet_output(reloaded), _unet_output(models))
-    assert not torch.allclose(_unet_output(reloaded), _unet_output(build_tiny(0)))
+    torch.testing.assert_close(tiny_unet_output(reloaded.unet), tiny_unet_output(models.unet))
+    assert not torch.allclose(tiny_unet_output(reloaded.unet), tiny_unet_output(build_tiny(0).unet))
 
 
 def test_bad_parts_configs_are_one_line_errors(tiny_raw):

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_inputs import tiny_batch
 
 from impasto.checkpoint.trained import read_model_metadata
 from impasto.config import build_config, load_config
 from impasto.config.schema import ObjectiveConfig
-from impasto.data import Batch
 from impasto.inference import model_sampling_options
 from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas
 from impasto.objectives.objective import Objective
@@ -189,15 +189,7 @@ def test_flow_preset_runs_on_the_tiny_model(tmp_path, demo_folder):
 
 
 def test_per_sample_loss_weights_and_masks_multiply_in(tiny):
-    generator = torch.Generator().manual_seed(0)
-    batch = Batch(
-        pixel_values=torch.rand(2, 3, 64, 64, generator=generator) * 2 - 1,
-        captions=["a red circle", "a blue square"],
-        original_sizes=torch.tensor([[64, 64]] * 2),
-        crop_top_lefts=torch.zeros(2, 2, dtype=torch.long),
-        target_sizes=torch.tensor([[64, 64]] * 2),
-        indices=torch.arange(2),
-    )
+    batch = tiny_batch()
     objective = Objective.from_config(ObjectiveConfig())
 
     def per_sample(**changes):
