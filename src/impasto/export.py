@@ -92,7 +92,8 @@ def _full_model(config: Config, models: SDXLComponents, options: ExportOptions, 
     if adapters and not options.merge:
         raise ValueError(
             f"export: this run trained {config.lora.kind} adapters ({', '.join(adapters)}); "
-            f"export them with --format lora-diffusers, or add --merge to bake them into a {fmt}"
+            "export them with --format lora-kohya or lora-diffusers, or add --merge to bake "
+            f"them into a {fmt}"
         )
     for name in adapters:
         merge_adapters(getattr(models, name))
