@@ -213,6 +213,16 @@ class DataConfig(Section):
     resolution: int = Field(64, ge=8)
     crop: Literal["center", "random"] = "center"
     random_flip: bool = False
+    buckets: Literal["none", "sdxl", "generated"] = Field(
+        "none",
+        description="aspect-ratio buckets: none (resolution² squares), sdxl (the SDXL paper's "
+        "40, needs resolution 1024) or generated (area resolution², sides bucket_min_side.."
+        "bucket_max_side in steps of bucket_step)",
+    )
+    bucket_step: int = Field(64, ge=8, description="generated buckets: side step")
+    bucket_min_side: int | None = Field(None, ge=8, description="default: resolution / 2")
+    bucket_max_side: int | None = Field(None, ge=8, description="default: 2 * resolution")
+    bucket_no_upscale: bool = Field(False, description="only buckets an image fills unscaled")
     caption_dropout: float = Field(
         0.0, ge=0, le=1, description="probability of the empty caption (for CFG at sampling)"
     )
@@ -228,6 +238,32 @@ class DataConfig(Section):
         if value % 8:
             raise ValueError(f"must be a multiple of 8 (the VAE downsamples by 8), got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _valid_buckets(self) -> DataConfig:
+        if self.buckets == "sdxl" and self.resolution != 1024:
+            raise ValueError(
+                "buckets: sdxl is SDXL's list around 1024x1024; set data.resolution: 1024, or "
+                "use buckets: generated for other sizes"
+            )
+        if self.buckets == "generated":
+            if self.bucket_step % 8:
+                raise ValueError(f"bucket_step must be a multiple of 8, got {self.bucket_step}")
+            self.bucket_list()  # side and area errors now, not at the first batch
+        return self
+
+    def bucket_list(self) -> list[tuple[int, int]] | None:
+        """The (height, width) buckets of ``buckets``, or None for square ``resolution``."""
+        from impasto.data.buckets import SDXL_BUCKETS, generate_buckets
+
+        if self.buckets == "none":
+            return None
+        if self.buckets == "sdxl":
+            return list(SDXL_BUCKETS)
+        step = self.bucket_step
+        low = self.bucket_min_side or max(step, self.resolution // 2 // step * step)
+        high = self.bucket_max_side or self.resolution * 2 // step * step
+        return generate_buckets(self.resolution**2, low, high, step)
 
 
 class CacheConfig(Section):

@@ -71,6 +71,7 @@ def build_dataloader(
     start_position: BatchPosition | tuple[int, int] = (0, 0),
     pin_memory: bool = False,
     caption_dropout: float = 0.0,
+    bucket_of: Sequence[tuple[int, int] | None] | None = None,
 ) -> tuple[DataLoader, ResumableBatchSampler]:
     """A shuffling, exactly resumable loader of :class:`Batch` (or ``None`` for all-bad batches).
 
@@ -90,13 +91,17 @@ def build_dataloader(
         start_position: ``(epoch, batch_in_epoch)`` of the first batch to load.
         pin_memory: pin batches in host memory (for faster, asynchronous GPU copies).
         caption_dropout: probability of training an example with the empty caption.
+        bucket_of: each record's aspect bucket (:mod:`impasto.data.buckets`); ``None`` entries
+            are left out. Without it, every image is a ``resolution`` square.
 
     Returns:
         ``(loader, sampler)``.
     """
     if num_workers < 0:
         raise ValueError(f"data: num_workers must be >= 0, got {num_workers}")
-    dataset = ImageCaptionDataset(records, resolution, crop, random_flip, seed, caption_dropout)
+    dataset = ImageCaptionDataset(
+        records, resolution, crop, random_flip, seed, caption_dropout, bucket_of
+    )
     sampler = ResumableBatchSampler(
         num_samples=len(dataset),
         batch_size=batch_size,
@@ -104,6 +109,7 @@ def build_dataloader(
         shuffle=True,
         drop_last=True,
         start_position=start_position,
+        bucket_of=bucket_of,
     )
     loader = DataLoader(
         dataset,

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
+from pathlib import Path
 
 import torch
 from PIL import Image
@@ -283,6 +284,32 @@ def bucket_report(
         if bucket is None
     }
     return BucketReport(counts=dict(counts), unplaced=unplaced)
+
+
+def assign_image_buckets(
+    paths: Sequence[str | Path], buckets: Sequence[Bucket], no_upscale: bool = False
+) -> tuple[list[Bucket | None], BucketReport]:
+    """Each image's bucket (reading only its header) and the report of where they went.
+
+    An unreadable image or one that fits no bucket gets ``None``, with the reason in the report;
+    the data loader then leaves it out and the report says so (nothing is dropped silently).
+    """
+    bucket_of: list[Bucket | None] = []
+    reasons = {}
+    for path in paths:
+        bucket = None
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+        except (OSError, SyntaxError, ValueError) as error:
+            reasons[str(path)] = f"unreadable ({type(error).__name__})"
+        else:
+            bucket = assign_bucket(height, width, buckets, no_upscale)
+            if bucket is None:
+                reasons[str(path)] = f"{height}x{width} is smaller than every bucket (no upscale)"
+        bucket_of.append(bucket)
+    report = bucket_report(dict(zip(map(str, paths), bucket_of, strict=True)), reasons)
+    return bucket_of, report
 
 
 def plan_bucket_batches(

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from impasto.data.buckets import apply_bucket_transform, bucket_transform_params
 from impasto.data.folder import ImageRecord
 from impasto.data.sampler import BatchPosition
 from impasto.data.seeding import derive_seed
@@ -71,6 +72,9 @@ class ImageCaptionDataset(Dataset):
         seed: run seed; example ``index`` of ``epoch`` uses ``derive_seed(seed, epoch, index)``.
         caption_dropout: probability of replacing the caption with "" (the unconditional
             prompt that classifier-free guidance needs; Ho & Salimans 2022, arXiv:2207.12598).
+        bucket_of: each record's aspect bucket ``(height, width)``; given, an image becomes
+            its bucket's size (:func:`~impasto.data.buckets.bucket_transform_params`) instead
+            of a ``resolution`` square.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class ImageCaptionDataset(Dataset):
         random_flip: bool,
         seed: int,
         caption_dropout: float = 0.0,
+        bucket_of: Sequence[tuple[int, int] | None] | None = None,
     ) -> None:
         if not records:
             raise ValueError("data: the record list is empty; point the dataset at some images")
@@ -95,9 +100,24 @@ class ImageCaptionDataset(Dataset):
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"data.caption_dropout: must be in [0, 1], got {caption_dropout}")
         self.caption_dropout = caption_dropout
+        self.bucket_of = None if bucket_of is None else list(bucket_of)
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def _transform(
+        self, image: Image.Image, index: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
+        """(pixels, original_size, crop_top_left): a square, or the record's bucket."""
+        if self.bucket_of is None:
+            return resize_and_crop(image, self.resolution, self.crop, self.random_flip, generator)
+        bucket = self.bucket_of[index]
+        if bucket is None:
+            raise ValueError(f"data: record {index} has no bucket; the sampler must skip it")
+        params = bucket_transform_params(
+            image.height, image.width, bucket, self.crop, self.random_flip, generator
+        )
+        return apply_bucket_transform(image, params), params.original_size, params.crop_top_left
 
     def __getitem__(self, key: tuple[int, ...]) -> Example | None:
         epoch, index = int(key[0]), int(key[1])
@@ -108,8 +128,8 @@ class ImageCaptionDataset(Dataset):
             with Image.open(record.image_path) as image:
                 # Image.open only reads the header; load() decodes, so a truncated file fails here.
                 image.load()
-                pixel_values, original_size, crop_top_left = resize_and_crop(
-                    image, self.resolution, self.crop, self.random_flip, generator
+                pixel_values, original_size, crop_top_left = self._transform(
+                    image, index, generator
                 )
         except IMAGE_LOAD_ERRORS as error:
             logger.warning("data: skipping unreadable image %s (%s)", record.image_path, error)
@@ -132,11 +152,11 @@ class Batch:
     """A collated batch of ``B`` good examples (bad files already dropped).
 
     Attributes:
-        pixel_values: float32 ``[B, 3, R, R]`` in ``[-1, 1]``.
+        pixel_values: float32 ``[B, 3, R, R]`` (or the bucket's ``[B, 3, H, W]``) in ``[-1, 1]``.
         captions: ``B`` caption strings.
         original_sizes: int64 ``[B, 2]`` of ``(height, width)`` before resizing.
         crop_top_lefts: int64 ``[B, 2]`` of ``(top, left)``.
-        target_sizes: int64 ``[B, 2]`` of ``(R, R)``.
+        target_sizes: int64 ``[B, 2]``: ``(R, R)``, or the batch's bucket ``(height, width)``.
         indices: int64 ``[B]`` dataset indices, for logging and debugging.
         num_bad: examples of this batch dropped as unreadable.
         position: where this batch sits in the run; equals ``sampler.position`` before the
@@ -190,7 +210,7 @@ def collate_examples(examples: Sequence[Example | None]) -> Batch | None:
     num_bad = len(examples) - len(good)
     if not good:
         return None
-    resolution = good[0].pixel_values.shape[-1]
+    target_size = tuple(good[0].pixel_values.shape[-2:])  # (H, W): a square or a bucket
     positions = {example.position for example in good}
     assert len(positions) == 1, f"examples from different batches collated together: {positions}"
     return Batch(
@@ -198,7 +218,7 @@ def collate_examples(examples: Sequence[Example | None]) -> Batch | None:
         captions=[example.caption for example in good],
         original_sizes=torch.tensor([example.original_size for example in good], dtype=torch.long),
         crop_top_lefts=torch.tensor([example.crop_top_left for example in good], dtype=torch.long),
-        target_sizes=torch.tensor([(resolution, resolution)] * len(good), dtype=torch.long),
+        target_sizes=torch.tensor([target_size] * len(good), dtype=torch.long),
         indices=torch.tensor([example.index for example in good], dtype=torch.long),
         num_bad=num_bad,
         position=positions.pop(),

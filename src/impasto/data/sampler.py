@@ -30,13 +30,15 @@ that epoch, then epochs identical to an uninterrupted run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch.utils.data import Sampler
 
+from impasto.data.buckets import plan_bucket_batches
 from impasto.data.seeding import derive_seed
 
 
@@ -94,6 +96,9 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         shuffle: shuffle each epoch (otherwise index order).
         drop_last: drop the short last batch of each epoch (keeps every batch full).
         start_position: where the first iteration starts, ``(epoch, batch_in_epoch)``.
+        bucket_of: each sample's aspect bucket (None: not placed). Given, an epoch is
+            :func:`~impasto.data.buckets.plan_bucket_batches`: single-bucket batches, a
+            bucket's short last batch filled with its other images, nothing dropped.
     """
 
     def __init__(
@@ -104,12 +109,18 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         shuffle: bool = True,
         drop_last: bool = True,
         start_position: BatchPosition | tuple[int, int] = (0, 0),
+        bucket_of: Sequence[tuple[int, int] | None] | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"data: the dataset is empty (num_samples={num_samples}); add images")
         if batch_size <= 0:
             raise ValueError(f"data: batch_size must be positive, got {batch_size}")
-        if drop_last and batch_size > num_samples:
+        if bucket_of is not None and len(bucket_of) != num_samples:
+            raise ValueError(f"data: {len(bucket_of)} bucket entries for {num_samples} samples")
+        self.bucket_of = None if bucket_of is None else list(bucket_of)
+        if self.bucket_of is not None and not any(self.bucket_of):
+            raise ValueError("data: no image fits any bucket; see the bucket report")
+        if bucket_of is None and drop_last and batch_size > num_samples:
             raise ValueError(
                 f"data: {num_samples} images is fewer than batch_size {batch_size}; "
                 "lower batch_size or add images"
@@ -124,7 +135,10 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
 
     @property
     def num_batches_per_epoch(self) -> int:
-        """Batches in every epoch."""
+        """Batches in every epoch (with buckets: the sum over buckets of ceil(size / batch))."""
+        if self.bucket_of is not None:
+            sizes = Counter(bucket for bucket in self.bucket_of if bucket is not None)
+            return sum(num_batches(size, self.batch_size, False) for size in sizes.values())
         return num_batches(self.num_samples, self.batch_size, self.drop_last)
 
     @property
@@ -155,6 +169,7 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             shuffle=self.shuffle,
             drop_last=self.drop_last,
             start_position=(epoch, batch_in_epoch),
+            bucket_of=self.bucket_of,
         )
 
     def set_epoch(self, epoch: int) -> None:
@@ -192,6 +207,7 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             "seed": self.seed,
             "shuffle": int(self.shuffle),
             "drop_last": int(self.drop_last),
+            "bucketed": int(self.bucket_of is not None),
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -201,7 +217,7 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         resumed batches would then not match the interrupted run.
         """
         current = self.state_dict()
-        for name in ("num_samples", "batch_size", "seed", "shuffle", "drop_last"):
+        for name in ("num_samples", "batch_size", "seed", "shuffle", "drop_last", "bucketed"):
             if name in state and int(state[name]) != current[name]:
                 raise ValueError(
                     f"data: checkpoint has {name}={int(state[name])} but this run has "
@@ -211,11 +227,14 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
 
     def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[list[SampleKey]]:
         """Batches ``start ..`` of ``epoch``, independent of the current position."""
-        order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle).tolist()
+        if self.bucket_of is not None:
+            plan = plan_bucket_batches(self.bucket_of, self.batch_size, self.seed, epoch)
+        else:
+            order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle).tolist()
+            size = self.batch_size
+            plan = [order[b * size : (b + 1) * size] for b in range(self.num_batches_per_epoch)]
         for batch_in_epoch in range(start, self.num_batches_per_epoch):
-            first = batch_in_epoch * self.batch_size
-            indices = order[first : first + self.batch_size]
-            yield [SampleKey(epoch, index, batch_in_epoch) for index in indices]
+            yield [SampleKey(epoch, index, batch_in_epoch) for index in plan[batch_in_epoch]]
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
         # Read the position now, not lazily: the trainer calls advance() while the loader is

@@ -13,7 +13,9 @@ from tqdm import tqdm
 
 from impasto.config import Config
 from impasto.data import Batch, ImageRecord, build_dataloader, derive_seed, scan_image_folder
+from impasto.data.buckets import assign_image_buckets
 from impasto.data.demo import write_demo_dataset
+from impasto.data.sampler import ResumableBatchSampler
 from impasto.logging import MetricsLogger
 from impasto.models import load_model
 from impasto.objectives.objective import Objective
@@ -67,7 +69,8 @@ class Trainer:
         torch.manual_seed(config.train.seed)
 
         self.records = load_records(config)
-        self.total_steps = count_total_steps(config, len(self.records))
+        self.bucket_of = place_in_buckets(config, self.records, self.run_dir)
+        self.total_steps = count_total_steps(config, len(self.records), self.bucket_of)
         self.models = load_model(config)
         self.trainable = prepare_parts(config, self.models)  # adapters init from the seeded RNG
         if config.lora.init_from:
@@ -92,7 +95,7 @@ class Trainer:
             self.state, self.last_checkpoint = restored
             print(f"impasto: resumed from {self.last_checkpoint} (step {self.state.step})")
         self.stream = micro_batches(
-            config, self.records, (self.state.epoch, self.state.batch_in_epoch)
+            config, self.records, (self.state.epoch, self.state.batch_in_epoch), self.bucket_of
         )
 
     def run(self) -> TrainResult:
@@ -239,8 +242,35 @@ def load_records(config: Config) -> list[ImageRecord]:
     return scan_image_folder(path)
 
 
-def count_total_steps(config: Config, num_images: int) -> int:
-    batches_per_epoch = num_images // config.data.batch_size
+def place_in_buckets(
+    config: Config, records: list[ImageRecord], run_dir: Path
+) -> list[tuple[int, int] | None] | None:
+    """Each record's aspect bucket (``data.buckets``), or None for square images.
+
+    The bucket report (images per bucket, and every image that could not be placed with the
+    reason) is printed and saved to ``RUN/buckets.txt`` before training.
+    """
+    buckets = config.data.bucket_list()
+    if buckets is None:
+        return None
+    paths = [record.image_path for record in records]
+    bucket_of, bucket_report = assign_image_buckets(paths, buckets, config.data.bucket_no_upscale)
+    text = bucket_report.format()
+    (run_dir / "buckets.txt").write_text(text + "\n", encoding="utf-8")
+    print(f"impasto: aspect buckets ({run_dir / 'buckets.txt'}):\n{text}")
+    return bucket_of
+
+
+def count_total_steps(
+    config: Config, num_images: int, bucket_of: list[tuple[int, int] | None] | None = None
+) -> int:
+    if bucket_of is not None:
+        sampler = ResumableBatchSampler(
+            num_images, config.data.batch_size, config.train.seed, bucket_of=bucket_of
+        )
+        batches_per_epoch = sampler.num_batches_per_epoch
+    else:
+        batches_per_epoch = num_images // config.data.batch_size
     if batches_per_epoch == 0:
         raise ValueError(
             f"data: {num_images} images is fewer than data.batch_size {config.data.batch_size}; "
@@ -256,7 +286,10 @@ def count_total_steps(config: Config, num_images: int) -> int:
 
 
 def micro_batches(
-    config: Config, records: list[ImageRecord], start: tuple[int, int]
+    config: Config,
+    records: list[ImageRecord],
+    start: tuple[int, int],
+    bucket_of: list[tuple[int, int] | None] | None = None,
 ) -> MicroBatches:
     """Batches in the exact resumable order, each with the position *after* consuming it."""
     epoch, first = start
@@ -271,6 +304,7 @@ def micro_batches(
             config.data.num_workers,
             (epoch, first),
             caption_dropout=config.data.caption_dropout,
+            bucket_of=bucket_of,
         )
         for offset, batch in enumerate(loader):
             after = first + offset + 1
