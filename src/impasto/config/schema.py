@@ -226,6 +226,17 @@ class DataConfig(Section):
     caption_dropout: float = Field(
         0.0, ge=0, le=1, description="probability of the empty caption (for CFG at sampling)"
     )
+    shuffle_tags: bool = Field(False, description="shuffle comma-separated tags after keep_tags")
+    keep_tags: int = Field(0, ge=0, description="leading tags never shuffled or dropped")
+    tag_dropout: float = Field(0.0, ge=0, lt=1, description="drop each other tag with this p")
+    caption_prefix: str = Field("", description='added before the caption, e.g. "sks, "')
+    caption_suffix: str = Field("", description="added after the caption")
+    tag_separator: str = Field(",", min_length=1)
+    tag_frequency_weighting: bool = Field(
+        False, description="per-image loss weight from how rare its tags are (mean 1)"
+    )
+    tag_weight_min: float = Field(0.5, gt=0, le=1)
+    tag_weight_max: float = Field(2.0, ge=1)
     batch_size: int = Field(4, ge=1)
     num_workers: int = Field(0, ge=0)
     max_bad_fraction: float = Field(
@@ -251,6 +262,19 @@ class DataConfig(Section):
                 raise ValueError(f"bucket_step must be a multiple of 8, got {self.bucket_step}")
             self.bucket_list()  # side and area errors now, not at the first batch
         return self
+
+    def caption_tools(self):
+        """The :class:`~impasto.data.captions.CaptionTools` these settings describe."""
+        from impasto.data.captions import CaptionTools
+
+        return CaptionTools(
+            shuffle=self.shuffle_tags,
+            keep_tags=self.keep_tags,
+            tag_dropout=self.tag_dropout,
+            prefix=self.caption_prefix,
+            suffix=self.caption_suffix,
+            separator=self.tag_separator,
+        )
 
     def bucket_list(self) -> list[tuple[int, int]] | None:
         """The (height, width) buckets of ``buckets``, or None for square ``resolution``."""

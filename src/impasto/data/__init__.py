@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from torch.utils.data import DataLoader
 
+from impasto.data.captions import CaptionTools
 from impasto.data.dataset import Batch, Example, ImageCaptionDataset, collate_examples
 from impasto.data.demo import (
     DEMO_BACKGROUNDS,
@@ -72,6 +73,8 @@ def build_dataloader(
     pin_memory: bool = False,
     caption_dropout: float = 0.0,
     bucket_of: Sequence[tuple[int, int] | None] | None = None,
+    caption_tools: CaptionTools | None = None,
+    loss_weights: Sequence[float] | None = None,
 ) -> tuple[DataLoader, ResumableBatchSampler]:
     """A shuffling, exactly resumable loader of :class:`Batch` (or ``None`` for all-bad batches).
 
@@ -93,6 +96,8 @@ def build_dataloader(
         caption_dropout: probability of training an example with the empty caption.
         bucket_of: each record's aspect bucket (:mod:`impasto.data.buckets`); ``None`` entries
             are left out. Without it, every image is a ``resolution`` square.
+        caption_tools: tag shuffle / dropout / prefix and suffix (:mod:`impasto.data.captions`).
+        loss_weights: each record's loss weight, carried to ``Batch.loss_weights``.
 
     Returns:
         ``(loader, sampler)``.
@@ -100,7 +105,15 @@ def build_dataloader(
     if num_workers < 0:
         raise ValueError(f"data: num_workers must be >= 0, got {num_workers}")
     dataset = ImageCaptionDataset(
-        records, resolution, crop, random_flip, seed, caption_dropout, bucket_of
+        records,
+        resolution,
+        crop,
+        random_flip,
+        seed,
+        caption_dropout,
+        bucket_of,
+        caption_tools,
+        loss_weights,
     )
     sampler = ResumableBatchSampler(
         num_samples=len(dataset),

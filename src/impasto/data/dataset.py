@@ -16,6 +16,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from impasto.data.buckets import apply_bucket_transform, bucket_transform_params
+from impasto.data.captions import CaptionTools
 from impasto.data.folder import ImageRecord
 from impasto.data.sampler import BatchPosition
 from impasto.data.seeding import derive_seed
@@ -46,6 +47,7 @@ class Example:
         index: position of the record in the dataset's record list.
         epoch: epoch the example was drawn for (it fixes the augmentation).
         position: the batch the example belongs to, when the key carried it.
+        loss_weight: this example's loss weight, or None (weight 1).
     """
 
     pixel_values: torch.Tensor
@@ -55,6 +57,7 @@ class Example:
     index: int
     epoch: int = 0
     position: BatchPosition | None = None
+    loss_weight: float | None = None
 
 
 class ImageCaptionDataset(Dataset):
@@ -75,6 +78,8 @@ class ImageCaptionDataset(Dataset):
         bucket_of: each record's aspect bucket ``(height, width)``; given, an image becomes
             its bucket's size (:func:`~impasto.data.buckets.bucket_transform_params`) instead
             of a ``resolution`` square.
+        caption_tools: tag shuffle / dropout / prefix (:mod:`impasto.data.captions`).
+        loss_weights: each record's loss weight (e.g. tag frequency), carried to the batch.
     """
 
     def __init__(
@@ -86,6 +91,8 @@ class ImageCaptionDataset(Dataset):
         seed: int,
         caption_dropout: float = 0.0,
         bucket_of: Sequence[tuple[int, int] | None] | None = None,
+        caption_tools: CaptionTools | None = None,
+        loss_weights: Sequence[float] | None = None,
     ) -> None:
         if not records:
             raise ValueError("data: the record list is empty; point the dataset at some images")
@@ -101,6 +108,8 @@ class ImageCaptionDataset(Dataset):
             raise ValueError(f"data.caption_dropout: must be in [0, 1], got {caption_dropout}")
         self.caption_dropout = caption_dropout
         self.bucket_of = None if bucket_of is None else list(bucket_of)
+        self.caption_tools = caption_tools or CaptionTools()
+        self.loss_weights = None if loss_weights is None else list(loss_weights)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -136,14 +145,16 @@ class ImageCaptionDataset(Dataset):
             return None
         # Drawn after the crop, so the dropout setting never changes the augmentation.
         dropped = torch.rand((), generator=generator).item() < self.caption_dropout
+        caption = "" if dropped else self.caption_tools.apply(record.caption, generator)
         return Example(
             pixel_values=pixel_values,
-            caption="" if dropped else record.caption,
+            caption=caption,
             original_size=original_size,
             crop_top_left=crop_top_left,
             index=index,
             epoch=epoch,
             position=position,
+            loss_weight=None if self.loss_weights is None else self.loss_weights[index],
         )
 
 
@@ -200,6 +211,13 @@ class Batch:
         return replace(self, **pinned)
 
 
+def _loss_weights(examples: Sequence[Example]) -> torch.Tensor | None:
+    weights = [example.loss_weight for example in examples]
+    if all(weight is None for weight in weights):
+        return None
+    return torch.tensor([1.0 if w is None else w for w in weights], dtype=torch.float32)
+
+
 def collate_examples(examples: Sequence[Example | None]) -> Batch | None:
     """Stack examples into a :class:`Batch`, dropping ``None`` (unreadable) ones.
 
@@ -222,4 +240,5 @@ def collate_examples(examples: Sequence[Example | None]) -> Batch | None:
         indices=torch.tensor([example.index for example in good], dtype=torch.long),
         num_bad=num_bad,
         position=positions.pop(),
+        loss_weights=_loss_weights(good),
     )

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from impasto.config import Config
 from impasto.data import Batch, ImageRecord, build_dataloader, derive_seed, scan_image_folder
 from impasto.data.buckets import assign_image_buckets
+from impasto.data.captions import tag_frequency_weights
 from impasto.data.demo import write_demo_dataset
 from impasto.data.sampler import ResumableBatchSampler
 from impasto.logging import MetricsLogger
@@ -95,7 +96,11 @@ class Trainer:
             self.state, self.last_checkpoint = restored
             print(f"impasto: resumed from {self.last_checkpoint} (step {self.state.step})")
         self.stream = micro_batches(
-            config, self.records, (self.state.epoch, self.state.batch_in_epoch), self.bucket_of
+            config,
+            self.records,
+            (self.state.epoch, self.state.batch_in_epoch),
+            self.bucket_of,
+            record_loss_weights(config, self.records),
         )
 
     def run(self) -> TrainResult:
@@ -261,6 +266,17 @@ def place_in_buckets(
     return bucket_of
 
 
+def record_loss_weights(config: Config, records: list[ImageRecord]) -> list[float] | None:
+    """Per-image loss weights from tag frequency (``data.tag_frequency_weighting``), or None."""
+    data = config.data
+    if not data.tag_frequency_weighting:
+        return None
+    captions = [record.caption for record in records]
+    return tag_frequency_weights(
+        captions, data.tag_weight_min, data.tag_weight_max, data.tag_separator
+    )
+
+
 def count_total_steps(
     config: Config, num_images: int, bucket_of: list[tuple[int, int] | None] | None = None
 ) -> int:
@@ -290,6 +306,7 @@ def micro_batches(
     records: list[ImageRecord],
     start: tuple[int, int],
     bucket_of: list[tuple[int, int] | None] | None = None,
+    loss_weights: list[float] | None = None,
 ) -> MicroBatches:
     """Batches in the exact resumable order, each with the position *after* consuming it."""
     epoch, first = start
@@ -305,6 +322,8 @@ def micro_batches(
             (epoch, first),
             caption_dropout=config.data.caption_dropout,
             bucket_of=bucket_of,
+            caption_tools=config.data.caption_tools(),
+            loss_weights=loss_weights,
         )
         for offset, batch in enumerate(loader):
             after = first + offset + 1
