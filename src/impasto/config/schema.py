@@ -201,11 +201,19 @@ class ObjectiveConfig(Section):
         )
 
 
-class DataConfig(Section):
-    """An image folder with same-stem ``.txt`` captions (issue #6 adds more sources)."""
+class SubfolderConfig(Section):
+    repeats: int = Field(1, ge=1, description="times each image appears per epoch")
+    weight: float = Field(1.0, gt=0, description="loss weight of its images")
 
-    source: Literal["folder"] = "folder"
+
+class DataConfig(Section):
+    """Images with captions: a folder (sidecar captions) or a JSONL/CSV manifest."""
+
+    source: Literal["folder", "manifest"] = "folder"
     path: str
+    subfolders: dict[str, SubfolderConfig] = Field(
+        default_factory=dict, description="folder: top-level subfolder → repeats and weight"
+    )
     generate_demo: bool = Field(
         False, description="write the built-in demo dataset to `path` if it does not exist"
     )

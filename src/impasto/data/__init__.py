@@ -22,7 +22,13 @@ from impasto.data.demo import (
     render_demo_image,
     write_demo_dataset,
 )
-from impasto.data.folder import IMAGE_EXTENSIONS, ImageRecord, read_caption, scan_image_folder
+from impasto.data.folder import (
+    IMAGE_EXTENSIONS,
+    ImageRecord,
+    read_caption,
+    read_manifest,
+    scan_image_folder,
+)
 from impasto.data.sampler import (
     BatchPosition,
     ResumableBatchSampler,
@@ -54,6 +60,7 @@ __all__ = [
     "epoch_order",
     "pil_to_tensor",
     "read_caption",
+    "read_manifest",
     "render_demo_image",
     "resize_and_crop",
     "scan_image_folder",

@@ -1,8 +1,17 @@
-"""Image folders: find image files and their same-stem ``.txt`` captions."""
+"""Image folders and manifests: find image files and their captions.
+
+A folder's captions are same-stem sidecars: ``.txt``, else ``.caption``, else ``.json`` (its
+``caption`` or ``text`` string, or its ``tags`` list joined with ", "). A manifest is a JSONL
+or CSV file with one row per image: ``image`` (a path, relative to the manifest's folder or
+absolute), and optionally ``caption`` and ``weight``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import csv
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
@@ -11,10 +20,12 @@ IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
 
 @dataclass(frozen=True)
 class ImageRecord:
-    """One training example on disk: an image file and its caption ("" when it has none)."""
+    """One training example on disk: an image file, its caption ("" when it has none), and a
+    loss weight (a subfolder's or manifest row's; 1 by default)."""
 
     image_path: Path
     caption: str
+    weight: float = 1.0
 
 
 def is_image_path(path: Path) -> bool:
@@ -22,22 +33,44 @@ def is_image_path(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS
 
 
-def read_caption(image_path: Path) -> str:
-    """Read the caption stored next to ``image_path`` as ``<stem>.txt``.
+CAPTION_SUFFIXES = (".txt", ".caption", ".json")
 
-    The text is decoded as UTF-8 (a leading byte-order mark is dropped) and stripped of
-    surrounding whitespace. A missing caption file gives ``""``, which trains the unconditional
-    branch for that image.
-    """
-    caption_path = image_path.with_suffix(".txt")
-    if not caption_path.is_file():
-        return ""
+
+def _json_caption(path: Path) -> str:
     try:
-        return caption_path.read_text(encoding="utf-8-sig").strip()
-    except UnicodeDecodeError:
-        raise ValueError(
-            f"data: caption file {caption_path} is not valid UTF-8; re-save it as UTF-8"
-        ) from None
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"data: caption file {path} is not valid JSON ({error.msg})") from None
+    if isinstance(data, dict):
+        if isinstance(data.get("caption") or data.get("text"), str):
+            return (data.get("caption") or data.get("text")).strip()
+        if isinstance(data.get("tags"), list):
+            return ", ".join(str(tag).strip() for tag in data["tags"])
+    raise ValueError(
+        f"data: caption file {path} has no 'caption' or 'text' string nor a 'tags' list"
+    )
+
+
+def read_caption(image_path: Path) -> str:
+    """The caption stored next to ``image_path``: ``<stem>.txt``, ``.caption`` or ``.json``.
+
+    The first that exists wins. Text is decoded as UTF-8 (a leading byte-order mark is dropped)
+    and stripped of surrounding whitespace. No caption file gives ``""``, which trains the
+    unconditional branch for that image.
+    """
+    for suffix in CAPTION_SUFFIXES:
+        caption_path = image_path.with_suffix(suffix)
+        if not caption_path.is_file():
+            continue
+        if suffix == ".json":
+            return _json_caption(caption_path)
+        try:
+            return caption_path.read_text(encoding="utf-8-sig").strip()
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"data: caption file {caption_path} is not valid UTF-8; re-save it as UTF-8"
+            ) from None
+    return ""
 
 
 def _is_hidden(relative_path: Path) -> bool:
@@ -45,7 +78,9 @@ def _is_hidden(relative_path: Path) -> bool:
     return any(part.startswith(".") for part in relative_path.parts)
 
 
-def scan_image_folder(root: Path) -> list[ImageRecord]:
+def scan_image_folder(
+    root: Path, subfolders: Mapping[str, tuple[int, float]] | None = None
+) -> list[ImageRecord]:
     """List every image under ``root`` (recursively) with its caption.
 
     Images are files whose suffix is in :data:`IMAGE_EXTENSIONS`, in any letter case. Files and
@@ -55,9 +90,12 @@ def scan_image_folder(root: Path) -> list[ImageRecord]:
 
     Args:
         root: the dataset folder.
+        subfolders: top-level subfolder name → (repeats, weight): its images appear
+            ``repeats`` times per epoch (consecutive copies, each its own augmentation) and
+            carry loss weight ``weight`` (kohya's ``N_name`` folders, made explicit).
 
     Returns:
-        One :class:`ImageRecord` per image, sorted by relative path.
+        One :class:`ImageRecord` per image (and repeat), sorted by relative path.
 
     Raises:
         ValueError: ``root`` does not exist, is not a folder, or holds no images.
@@ -77,7 +115,63 @@ def scan_image_folder(root: Path) -> list[ImageRecord]:
         raise ValueError(
             f"data: no images found in {root}; accepted extensions are {accepted} (any case)"
         )
-    return [
-        ImageRecord(image_path=root / relative, caption=read_caption(root / relative))
-        for relative in relative_paths
-    ]
+    subfolders = subfolders or {}
+    present = {relative.parts[0] for relative in relative_paths if len(relative.parts) > 1}
+    missing = sorted(set(subfolders) - present)
+    if missing:
+        raise ValueError(
+            f"data.subfolders: {root} has no subfolder {missing[0]!r} with images; "
+            f"subfolders with images: {', '.join(sorted(present)) or 'none'}"
+        )
+    records = []
+    for relative in relative_paths:
+        record = ImageRecord(image_path=root / relative, caption=read_caption(root / relative))
+        repeats, weight = (
+            subfolders.get(relative.parts[0], (1, 1.0)) if len(relative.parts) > 1 else (1, 1.0)
+        )
+        records.extend([replace(record, weight=weight)] * repeats)
+    return records
+
+
+def read_manifest(path: Path) -> list[ImageRecord]:
+    """The rows of a JSONL (``.jsonl``) or CSV (``.csv``) manifest (module docstring).
+
+    A row without ``image``, a bad line, a non-positive weight or an unknown suffix is a
+    one-line error naming the file and row.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"data: manifest {path} does not exist; check data.path")
+    if path.suffix == ".jsonl":
+        rows = []
+        for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"data: {path} line {number}: not JSON ({error.msg})") from None
+    elif path.suffix == ".csv":
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            rows = list(csv.DictReader(handle))
+    else:
+        raise ValueError(f"data: manifest {path} must be .jsonl or .csv")
+    records = []
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or not row.get("image"):
+            raise ValueError(f"data: {path} row {number}: no 'image' field")
+        raw_weight = row.get("weight")
+        try:
+            weight = 1.0 if raw_weight in (None, "") else float(raw_weight)
+        except ValueError:
+            raise ValueError(
+                f"data: {path} row {number}: weight {raw_weight!r} is not a number"
+            ) from None
+        if weight <= 0:
+            raise ValueError(f"data: {path} row {number}: weight must be > 0, got {weight}")
+        image = Path(row["image"])
+        image = image if image.is_absolute() else path.parent / image
+        records.append(ImageRecord(image, str(row.get("caption") or "").strip(), weight))
+    if not records:
+        raise ValueError(f"data: manifest {path} has no rows")
+    return records

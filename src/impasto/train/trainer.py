@@ -16,6 +16,7 @@ from impasto.data import Batch, ImageRecord, build_dataloader, derive_seed, scan
 from impasto.data.buckets import assign_image_buckets
 from impasto.data.captions import tag_frequency_weights
 from impasto.data.demo import write_demo_dataset
+from impasto.data.folder import read_manifest
 from impasto.data.sampler import ResumableBatchSampler
 from impasto.logging import MetricsLogger
 from impasto.models import load_model
@@ -244,7 +245,10 @@ def load_records(config: Config) -> list[ImageRecord]:
             path, config.data.demo_num_images, config.data.resolution, seed=config.train.seed
         )
         print(f"impasto: wrote {count} demo images to {path}")
-    return scan_image_folder(path)
+    if config.data.source == "manifest":
+        return read_manifest(path)
+    subfolders = {name: (sub.repeats, sub.weight) for name, sub in config.data.subfolders.items()}
+    return scan_image_folder(path, subfolders)
 
 
 def place_in_buckets(
@@ -267,14 +271,19 @@ def place_in_buckets(
 
 
 def record_loss_weights(config: Config, records: list[ImageRecord]) -> list[float] | None:
-    """Per-image loss weights from tag frequency (``data.tag_frequency_weighting``), or None."""
+    """Per-image loss weights: tag frequency (``data.tag_frequency_weighting``) times the
+    subfolder's or manifest row's weight; None when every weight is 1."""
     data = config.data
-    if not data.tag_frequency_weighting:
+    weights = [record.weight for record in records]
+    if data.tag_frequency_weighting:
+        captions = [record.caption for record in records]
+        tags = tag_frequency_weights(
+            captions, data.tag_weight_min, data.tag_weight_max, data.tag_separator
+        )
+        weights = [tag * weight for tag, weight in zip(tags, weights, strict=True)]
+    elif all(weight == 1.0 for weight in weights):
         return None
-    captions = [record.caption for record in records]
-    return tag_frequency_weights(
-        captions, data.tag_weight_min, data.tag_weight_max, data.tag_separator
-    )
+    return weights
 
 
 def count_total_steps(

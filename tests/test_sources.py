@@ -1,0 +1,89 @@
+"""Data sources (issue #6): caption sidecars, subfolder repeats and weights, JSONL/CSV manifests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from impasto.config import build_config
+from impasto.data import read_caption, read_manifest, scan_image_folder
+from impasto.train.trainer import Trainer, record_loss_weights
+
+
+@pytest.fixture
+def images(demo_folder, tmp_path) -> list[Path]:
+    """Four demo PNGs copied without captions into tmp_path/src."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    copies = []
+    for i, image in enumerate(sorted(demo_folder.glob("*.png"))[:4]):
+        copies.append(Path(shutil.copyfile(image, folder / f"{i}.png")))
+    return copies
+
+
+def test_caption_sidecars_in_order_txt_caption_json(images):
+    first, second, third, fourth = images
+    first.with_suffix(".caption").write_text("from caption\n")
+    first.with_suffix(".txt").write_text("from txt")
+    second.with_suffix(".caption").write_text(" from caption ")
+    third.with_suffix(".json").write_text(json.dumps({"tags": ["red", "circle"]}))
+    fourth.with_suffix(".json").write_text("{not json")
+    assert [read_caption(path) for path in images[:3]] == [
+        "from txt",
+        "from caption",
+        "red, circle",
+    ]
+    with pytest.raises(ValueError, match=r"3\.json is not valid JSON"):
+        read_caption(fourth)
+
+
+def test_subfolder_repeats_and_weights(images, tmp_path):
+    root = tmp_path / "data"
+    for name, chosen in (("10_style", images[:1]), ("plain", images[1:3])):
+        (root / name).mkdir(parents=True)
+        for image in chosen:
+            shutil.copyfile(image, root / name / image.name)
+    records = scan_image_folder(root, {"10_style": (3, 2.0)})
+    assert [r.image_path.parent.name for r in records] == ["10_style"] * 3 + ["plain"] * 2
+    assert [r.weight for r in records] == [2.0, 2.0, 2.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="no subfolder 'missing' with images"):
+        scan_image_folder(root, {"missing": (2, 1.0)})
+
+
+def test_jsonl_and_csv_manifests(images, tmp_path):
+    jsonl = tmp_path / "src" / "train.jsonl"
+    rows = [{"image": "0.png", "caption": "a red circle", "weight": 2}, {"image": str(images[1])}]
+    jsonl.write_text("\n".join(json.dumps(row) for row in rows) + "\n\n")
+    records = read_manifest(jsonl)
+    assert [(r.image_path, r.caption, r.weight) for r in records] == [
+        (images[0], "a red circle", 2.0),
+        (images[1], "", 1.0),
+    ]
+    table = tmp_path / "train.csv"
+    table.write_text(f"image,caption\n{images[2]},a blue square\n")
+    assert read_manifest(table)[0].caption == "a blue square"
+    for text, message in (
+        ('{"caption": "x"}\n', "row 1: no 'image' field"),
+        ('{"image": "0.png", "weight": 0}\n', "row 1: weight must be > 0"),
+        ("{oops\n", "line 1: not JSON"),
+    ):
+        jsonl.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_manifest(jsonl)
+
+
+def test_a_manifest_run_carries_row_weights_into_batches(images, tiny_raw, tmp_path):
+    manifest = tmp_path / "src" / "train.jsonl"
+    rows = [
+        {"image": p.name, "caption": f"image {i}", "weight": 1 + i} for i, p in enumerate(images)
+    ]
+    manifest.write_text("\n".join(json.dumps(row) for row in rows))
+    tiny_raw["data"].update(source="manifest", path=str(manifest))
+    config = build_config(tiny_raw)
+    trainer = Trainer(config, resume=False)
+    batch, _ = next(trainer.stream)
+    assert batch.loss_weights.tolist() == [1.0 + i for i in batch.indices.tolist()]
+    assert record_loss_weights(config, trainer.records) == [1.0, 2.0, 3.0, 4.0]
