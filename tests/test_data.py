@@ -337,6 +337,23 @@ def test_sampler_keep_last_and_no_shuffle() -> None:
     assert batches == [[0, 1, 2], [3, 4, 5], [6]]
 
 
+def test_sampler_fill_last_loses_no_image_and_resumes() -> None:
+    sampler = ResumableBatchSampler(10, 4, seed=2, drop_last=False, fill_last=True)
+    assert sampler.num_batches_per_epoch == 3
+    batches = run_keys(sampler, num_epochs=2)
+    for epoch in range(2):
+        indices = [[key[1] for key in batch] for batch in batches[3 * epoch : 3 * epoch + 3]]
+        assert [len(batch) for batch in indices] == [4, 4, 4]
+        assert {i for batch in indices for i in batch} == set(range(10))  # nobody left out
+        assert len(set(indices[2])) == 4  # the filled batch holds distinct images
+        assert sorted(indices[0] + indices[1] + indices[2][:2]) == list(range(10))
+    resumed = ResumableBatchSampler(10, 4, seed=2, drop_last=False, fill_last=True)
+    resumed.load_state_dict(sampler.at(0, 2).state_dict())
+    assert run_keys(resumed, num_epochs=2) == batches[2:]
+    tiny = ResumableBatchSampler(3, 4, seed=0, drop_last=False, fill_last=True)
+    assert sorted({key.index for key in next(iter(tiny))}) == [0, 1, 2]  # fewer than a batch
+
+
 def test_sampler_errors() -> None:
     with pytest.raises(ValueError, match="data: 3 images is fewer than batch_size 4"):
         ResumableBatchSampler(num_samples=3, batch_size=4, seed=0)
@@ -425,22 +442,24 @@ def test_loader_workers_match_and_resume(tmp_path: Path) -> None:
     options = dict(resolution=32, crop="random", random_flip=True, batch_size=3, seed=4)
     loader, sampler = build_dataloader(records, **options, num_workers=0)
     single = collect(loader, sampler)
-    assert [p for p, _, _ in single] == [BatchPosition(e, b) for e in (0, 1) for b in (0, 1, 2)]
+    # 10 images in batches of 3: the fourth batch is filled with two already-shown images.
+    positions = [BatchPosition(e, b) for e in (0, 1) for b in (0, 1, 2, 3)]
+    assert [p for p, _, _ in single] == positions
     loader, sampler = build_dataloader(records, **options, num_workers=2)
     parallel = collect(loader, sampler)
-    assert len(parallel) == len(single) == 6
+    assert len(parallel) == len(single) == 8
     for (p0, i0, x0), (p1, i1, x1) in zip(single, parallel, strict=True):
         assert p0 == p1 and i0 == i1
         torch.testing.assert_close(x0, x1, rtol=0, atol=0)
-    # Stop after 4 batches (the loader has prefetched further), checkpoint, resume.
+    # Stop after 5 batches (the loader has prefetched further), checkpoint, resume.
     loader, sampler = build_dataloader(records, **options, num_workers=2)
-    collect(loader, sampler, limit=4)
+    collect(loader, sampler, limit=5)
     state = sampler.state_dict()
     assert (state["epoch"], state["batch_in_epoch"]) == (1, 1)
     loader, sampler = build_dataloader(records, **options, start_position=(1, 1))
     resumed = collect(loader, sampler)
-    assert [(p, i) for p, i, _ in resumed] == [(p, i) for p, i, _ in single[4:]]
-    for (_, _, x0), (_, _, x1) in zip(single[4:], resumed, strict=True):
+    assert [(p, i) for p, i, _ in resumed] == [(p, i) for p, i, _ in single[5:]]
+    for (_, _, x0), (_, _, x1) in zip(single[5:], resumed, strict=True):
         torch.testing.assert_close(x0, x1, rtol=0, atol=0)
 
 

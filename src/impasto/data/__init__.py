@@ -86,7 +86,8 @@ def build_dataloader(
     """A shuffling, exactly resumable loader of :class:`Batch` (or ``None`` for all-bad batches).
 
     Each ``iter(loader)`` yields the rest of the sampler's current epoch, starting at its
-    position; every batch is full (``drop_last``). The trainer calls ``sampler.advance()`` once
+    position; every batch is full (a short last batch is filled with images the epoch already
+    showed, so no image is left out). The trainer calls ``sampler.advance()`` once
     per yielded item and checkpoints ``sampler.state_dict()``; the loader's own prefetching is
     never mistaken for consumption (see :mod:`impasto.data.sampler`).
 
@@ -127,7 +128,8 @@ def build_dataloader(
         batch_size=batch_size,
         seed=seed,
         shuffle=True,
-        drop_last=True,
+        drop_last=False,
+        fill_last=True,  # every batch full, no image left out of an epoch
         start_position=start_position,
         bucket_of=bucket_of,
     )

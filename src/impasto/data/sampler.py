@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import Sampler
 
-from impasto.data.buckets import plan_bucket_batches
+from impasto.data.buckets import draw_fill, plan_bucket_batches
 from impasto.data.seeding import derive_seed
 
 
@@ -95,6 +95,9 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         seed: run seed; epoch ``e`` is ordered by ``derive_seed(seed, e)``.
         shuffle: shuffle each epoch (otherwise index order).
         drop_last: drop the short last batch of each epoch (keeps every batch full).
+        fill_last: with ``drop_last=False``, fill the short last batch with images the epoch
+            already showed (drawn from the epoch's generator, distinct while possible): every
+            batch full and no image left out of any epoch.
         start_position: where the first iteration starts, ``(epoch, batch_in_epoch)``.
         bucket_of: each sample's aspect bucket (None: not placed). Given, an epoch is
             :func:`~impasto.data.buckets.plan_bucket_batches`: single-bucket batches, a
@@ -110,6 +113,7 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         drop_last: bool = True,
         start_position: BatchPosition | tuple[int, int] = (0, 0),
         bucket_of: Sequence[tuple[int, int] | None] | None = None,
+        fill_last: bool = False,
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"data: the dataset is empty (num_samples={num_samples}); add images")
@@ -130,6 +134,9 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
+        if fill_last and drop_last:
+            raise ValueError("data: fill_last needs drop_last=False (there is no last batch)")
+        self.fill_last = fill_last
         self._position = BatchPosition(0, 0)
         self.seek(*start_position_tuple(start_position))
 
@@ -170,6 +177,7 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             drop_last=self.drop_last,
             start_position=(epoch, batch_in_epoch),
             bucket_of=self.bucket_of,
+            fill_last=self.fill_last,
         )
 
     def set_epoch(self, epoch: int) -> None:
@@ -208,6 +216,7 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             "shuffle": int(self.shuffle),
             "drop_last": int(self.drop_last),
             "bucketed": int(self.bucket_of is not None),
+            "fill_last": int(self.fill_last),
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -217,7 +226,8 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         resumed batches would then not match the interrupted run.
         """
         current = self.state_dict()
-        for name in ("num_samples", "batch_size", "seed", "shuffle", "drop_last", "bucketed"):
+        names = ("num_samples", "batch_size", "seed", "shuffle", "drop_last", "bucketed")
+        for name in (*names, "fill_last"):
             if name in state and int(state[name]) != current[name]:
                 raise ValueError(
                     f"data: checkpoint has {name}={int(state[name])} but this run has "
@@ -233,6 +243,12 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle).tolist()
             size = self.batch_size
             plan = [order[b * size : (b + 1) * size] for b in range(self.num_batches_per_epoch)]
+            missing = size - len(plan[-1])
+            if self.fill_last and missing:
+                shown = order[: len(order) - len(plan[-1])]
+                pool = shown if len(shown) >= missing else order
+                generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, 1))
+                plan[-1] = plan[-1] + draw_fill(pool, missing, generator)
         for batch_in_epoch in range(start, self.num_batches_per_epoch):
             yield [SampleKey(epoch, index, batch_in_epoch) for index in plan[batch_in_epoch]]
 

@@ -289,18 +289,15 @@ def record_loss_weights(config: Config, records: list[ImageRecord]) -> list[floa
 def count_total_steps(
     config: Config, num_images: int, bucket_of: list[tuple[int, int] | None] | None = None
 ) -> int:
-    if bucket_of is not None:
-        sampler = ResumableBatchSampler(
-            num_images, config.data.batch_size, config.train.seed, bucket_of=bucket_of
-        )
-        batches_per_epoch = sampler.num_batches_per_epoch
-    else:
-        batches_per_epoch = num_images // config.data.batch_size
-    if batches_per_epoch == 0:
-        raise ValueError(
-            f"data: {num_images} images is fewer than data.batch_size {config.data.batch_size}; "
-            "add images or lower the batch size"
-        )
+    sampler = ResumableBatchSampler(  # as build_dataloader builds it
+        num_images,
+        config.data.batch_size,
+        config.train.seed,
+        drop_last=False,
+        fill_last=True,
+        bucket_of=bucket_of,
+    )
+    batches_per_epoch = sampler.num_batches_per_epoch
     total = config.train.max_steps or math.inf
     if config.train.max_epochs is not None:
         epoch_steps = config.train.max_epochs * batches_per_epoch // config.train.grad_accum_steps
