@@ -87,3 +87,9 @@ def test_a_manifest_run_carries_row_weights_into_batches(images, tiny_raw, tmp_p
     batch, _ = next(trainer.stream)
     assert batch.loss_weights.tolist() == [1.0 + i for i in batch.indices.tolist()]
     assert record_loss_weights(config, trainer.records) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_subfolders_need_a_folder_source(tiny_raw):
+    tiny_raw["data"].update(source="manifest", subfolders={"a": {"repeats": 2}})
+    with pytest.raises(ValueError, match="subfolders: repeats and weights apply to source: folder"):
+        build_config(tiny_raw)

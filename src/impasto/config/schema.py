@@ -259,6 +259,15 @@ class DataConfig(Section):
         return value
 
     @model_validator(mode="after")
+    def _subfolders_need_a_folder(self) -> DataConfig:
+        if self.subfolders and self.source != "folder":
+            raise ValueError(
+                "subfolders: repeats and weights apply to source: folder; give a manifest's "
+                "rows a weight (or list an image twice) instead"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _valid_buckets(self) -> DataConfig:
         if self.buckets == "sdxl" and self.resolution != 1024:
             raise ValueError(
