@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from impasto.data.seeding import derive_seed
-from impasto.data.transforms import pil_to_tensor
+from impasto.data.transforms import get_crop_offsets, pil_to_tensor
 
 Bucket = tuple[int, int]
 """``(height, width)`` of a bucket, in pixels."""
@@ -144,27 +144,6 @@ class BucketCrop:
         return (*self.original_size, *self.crop_top_left, *self.target_size)
 
 
-CropOffsets = Callable[[Bucket, Bucket, torch.Generator], Bucket]
-"""``(resized_size, bucket, generator) -> (top, left)`` of a bucket-size crop."""
-
-
-def center_offsets(resized_size: Bucket, bucket: Bucket, generator: torch.Generator) -> Bucket:
-    """Centred crop, rounded like torchvision's ``CenterCrop`` (draws nothing)."""
-    top = int(round((resized_size[0] - bucket[0]) / 2.0))
-    left = int(round((resized_size[1] - bucket[1]) / 2.0))
-    return top, left
-
-
-def random_offsets(resized_size: Bucket, bucket: Bucket, generator: torch.Generator) -> Bucket:
-    """Uniform crop position; draws top, then left, from ``generator``."""
-    top = int(torch.randint(0, resized_size[0] - bucket[0] + 1, (1,), generator=generator))
-    left = int(torch.randint(0, resized_size[1] - bucket[1] + 1, (1,), generator=generator))
-    return top, left
-
-
-BUCKET_CROP_MODES: dict[str, CropOffsets] = {"center": center_offsets, "random": random_offsets}
-
-
 def cover_size(height: int, width: int, bucket: Bucket) -> Bucket:
     """``(height, width)`` of the image scaled by ``max(bh / h, bw / w)`` to cover ``bucket``.
 
@@ -204,15 +183,13 @@ def bucket_transform_params(
         A :class:`BucketCrop`; its ``add_time_ids`` are
         ``(original_size, crop_top_left, target_size)``.
     """
-    if crop not in BUCKET_CROP_MODES:
-        valid = ", ".join(sorted(BUCKET_CROP_MODES))
-        raise ValueError(f"data.buckets: unknown crop {crop!r}; valid crops are {valid}")
+    crop_offsets = get_crop_offsets(crop)
     if height <= 0 or width <= 0:
         raise ValueError(f"data.buckets: image size must be positive, got {height}x{width}")
     if bucket[0] <= 0 or bucket[1] <= 0:
         raise ValueError(f"data.buckets: bucket sides must be positive, got {bucket}")
     resize_to = cover_size(height, width, bucket)
-    top, left = BUCKET_CROP_MODES[crop](resize_to, bucket, generator)
+    top, left = crop_offsets(*resize_to, *bucket, generator)
     flipped = flip and bool(torch.rand((), generator=generator) < 0.5)
     if flipped:
         left = resize_to[1] - left - bucket[1]

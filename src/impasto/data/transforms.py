@@ -14,25 +14,26 @@ import numpy as np
 import torch
 from PIL import Image
 
-CropOffsets = Callable[[int, int, int, torch.Generator], tuple[int, int]]
-"""``(height, width, resolution, generator) -> (top, left)`` of a ``resolution`` square crop."""
+CropOffsets = Callable[[int, int, int, int, torch.Generator], tuple[int, int]]
+"""``(height, width, crop_height, crop_width, generator) -> (top, left)`` of a crop of that size
+inside a ``height x width`` image (a ``resolution`` square, or an aspect bucket)."""
 
 
 def center_crop_offsets(
-    height: int, width: int, resolution: int, generator: torch.Generator
+    height: int, width: int, crop_height: int, crop_width: int, generator: torch.Generator
 ) -> tuple[int, int]:
     """Top-left of the centred crop, rounded like torchvision's ``CenterCrop`` (draws nothing)."""
-    top = max(0, int(round((height - resolution) / 2.0)))
-    left = max(0, int(round((width - resolution) / 2.0)))
+    top = max(0, int(round((height - crop_height) / 2.0)))
+    left = max(0, int(round((width - crop_width) / 2.0)))
     return top, left
 
 
 def random_crop_offsets(
-    height: int, width: int, resolution: int, generator: torch.Generator
+    height: int, width: int, crop_height: int, crop_width: int, generator: torch.Generator
 ) -> tuple[int, int]:
     """Uniform top-left of a crop inside the image; draws top, then left, from ``generator``."""
-    top = int(torch.randint(0, height - resolution + 1, (1,), generator=generator))
-    left = int(torch.randint(0, width - resolution + 1, (1,), generator=generator))
+    top = int(torch.randint(0, height - crop_height + 1, (1,), generator=generator))
+    left = int(torch.randint(0, width - crop_width + 1, (1,), generator=generator))
     return top, left
 
 
@@ -109,6 +110,6 @@ def resize_and_crop(
     flip = bool(torch.rand((), generator=generator) < 0.5)
     if random_flip and flip:
         resized = resized.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    top, left = crop_offsets(height, width, resolution, generator)
+    top, left = crop_offsets(height, width, resolution, resolution, generator)
     cropped = resized.crop((left, top, left + resolution, top + resolution))
     return pil_to_tensor(cropped), original_size, (top, left)
