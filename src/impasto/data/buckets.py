@@ -315,13 +315,22 @@ def plan_bucket_batches(
     for bucket in sorted(members):
         indices = members[bucket]
         order = torch.randperm(len(indices), generator=generator).tolist()
-        shuffled = [indices[i] for i in order]
-        num_short = len(shuffled) % batch_size
-        if num_short:
-            earlier = shuffled[: len(shuffled) - num_short] or shuffled
-            shuffled += draw_fill(earlier, batch_size - num_short, generator)
-        batches += [shuffled[i : i + batch_size] for i in range(0, len(shuffled), batch_size)]
+        batches += fill_batches([indices[i] for i in order], batch_size, generator)
     return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+def fill_batches(
+    order: Sequence[int], batch_size: int, generator: torch.Generator
+) -> list[list[int]]:
+    """``order`` cut into batches of ``batch_size``; a short last batch is filled with indices
+    drawn from the earlier batches (distinct while they last; from ``order`` itself when there
+    are no earlier batches), so every batch is full and no index is left out."""
+    order = list(order)
+    num_short = len(order) % batch_size
+    if num_short:
+        earlier = order[: len(order) - num_short] or order
+        order += draw_fill(earlier, batch_size - num_short, generator)
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def draw_fill(pool: Sequence[int], num: int, generator: torch.Generator) -> list[int]:

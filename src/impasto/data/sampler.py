@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import Sampler
 
-from impasto.data.buckets import draw_fill, plan_bucket_batches
+from impasto.data.buckets import fill_batches, plan_bucket_batches
 from impasto.data.seeding import derive_seed
 
 
@@ -241,14 +241,12 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             plan = plan_bucket_batches(self.bucket_of, self.batch_size, self.seed, epoch)
         else:
             order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle).tolist()
-            size = self.batch_size
-            plan = [order[b * size : (b + 1) * size] for b in range(self.num_batches_per_epoch)]
-            missing = size - len(plan[-1])
-            if self.fill_last and missing:
-                shown = order[: len(order) - len(plan[-1])]
-                pool = shown if len(shown) >= missing else order
+            if self.fill_last:
                 generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, 1))
-                plan[-1] = plan[-1] + draw_fill(pool, missing, generator)
+                plan = fill_batches(order, self.batch_size, generator)
+            else:
+                size = self.batch_size
+                plan = [order[i : i + size] for i in range(0, len(order), size)]
         for batch_in_epoch in range(start, self.num_batches_per_epoch):
             yield [SampleKey(epoch, index, batch_in_epoch) for index in plan[batch_in_epoch]]
 
