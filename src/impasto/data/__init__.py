@@ -64,8 +64,30 @@ __all__ = [
     "render_demo_image",
     "resize_and_crop",
     "scan_image_folder",
+    "training_sampler",
     "write_demo_dataset",
 ]
+
+
+def training_sampler(
+    num_samples: int,
+    batch_size: int,
+    seed: int,
+    start_position: BatchPosition | tuple[int, int] = (0, 0),
+    bucket_of: Sequence[tuple[int, int] | None] | None = None,
+) -> ResumableBatchSampler:
+    """The batch order of training: shuffled per epoch, every batch full, no image left out
+    (a short last batch is filled with images the epoch already showed), by bucket if given."""
+    return ResumableBatchSampler(
+        num_samples=num_samples,
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=True,
+        drop_last=False,
+        fill_last=True,
+        start_position=start_position,
+        bucket_of=bucket_of,
+    )
 
 
 def build_dataloader(
@@ -123,16 +145,7 @@ def build_dataloader(
         caption_tools,
         loss_weights,
     )
-    sampler = ResumableBatchSampler(
-        num_samples=len(dataset),
-        batch_size=batch_size,
-        seed=seed,
-        shuffle=True,
-        drop_last=False,
-        fill_last=True,  # every batch full, no image left out of an epoch
-        start_position=start_position,
-        bucket_of=bucket_of,
-    )
+    sampler = training_sampler(len(dataset), batch_size, seed, start_position, bucket_of)
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,

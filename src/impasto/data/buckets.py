@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from impasto.data.seeding import derive_seed
-from impasto.data.transforms import get_crop_offsets, pil_to_tensor
+from impasto.data.transforms import IMAGE_LOAD_ERRORS, get_crop_offsets, pil_to_tensor
 
 Bucket = tuple[int, int]
 """``(height, width)`` of a bucket, in pixels."""
@@ -278,7 +278,7 @@ def assign_image_buckets(
         try:
             with Image.open(path) as image:
                 width, height = image.size
-        except (OSError, SyntaxError, ValueError) as error:
+        except IMAGE_LOAD_ERRORS as error:
             reasons[str(path)] = f"unreadable ({type(error).__name__})"
         else:
             bucket = assign_bucket(height, width, buckets, no_upscale)

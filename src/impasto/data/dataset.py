@@ -20,19 +20,9 @@ from impasto.data.captions import CaptionTools
 from impasto.data.folder import ImageRecord
 from impasto.data.sampler import BatchPosition
 from impasto.data.seeding import derive_seed
-from impasto.data.transforms import get_crop_offsets, resize_and_crop
+from impasto.data.transforms import IMAGE_LOAD_ERRORS, get_crop_offsets, resize_and_crop
 
 logger = logging.getLogger(__name__)
-
-# What a broken file can raise while PIL opens and decodes it: OSError covers
-# UnidentifiedImageError and "image file is truncated"; some decoders raise SyntaxError or
-# ValueError on corrupt headers, and DecompressionBombError on absurd sizes.
-IMAGE_LOAD_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    SyntaxError,
-    ValueError,
-    Image.DecompressionBombError,
-)
 
 
 @dataclass

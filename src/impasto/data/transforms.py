@@ -14,6 +14,16 @@ import numpy as np
 import torch
 from PIL import Image
 
+# What a broken file can raise while PIL opens and decodes it: OSError covers
+# UnidentifiedImageError and "image file is truncated"; some decoders raise SyntaxError or
+# ValueError on corrupt headers, and DecompressionBombError on absurd sizes.
+IMAGE_LOAD_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    SyntaxError,
+    ValueError,
+    Image.DecompressionBombError,
+)
+
 CropOffsets = Callable[[int, int, int, int, torch.Generator], tuple[int, int]]
 """``(height, width, crop_height, crop_width, generator) -> (top, left)`` of a crop of that size
 inside a ``height x width`` image (a ``resolution`` square, or an aspect bucket)."""

@@ -12,12 +12,18 @@ import torch
 from tqdm import tqdm
 
 from impasto.config import Config
-from impasto.data import Batch, ImageRecord, build_dataloader, derive_seed, scan_image_folder
+from impasto.data import (
+    Batch,
+    ImageRecord,
+    build_dataloader,
+    derive_seed,
+    scan_image_folder,
+    training_sampler,
+)
 from impasto.data.buckets import assign_image_buckets
 from impasto.data.captions import tag_frequency_weights
 from impasto.data.demo import write_demo_dataset
 from impasto.data.folder import read_manifest
-from impasto.data.sampler import ResumableBatchSampler
 from impasto.logging import MetricsLogger
 from impasto.models import load_model
 from impasto.objectives.objective import Objective
@@ -289,13 +295,8 @@ def record_loss_weights(config: Config, records: list[ImageRecord]) -> list[floa
 def count_total_steps(
     config: Config, num_images: int, bucket_of: list[tuple[int, int] | None] | None = None
 ) -> int:
-    sampler = ResumableBatchSampler(  # as build_dataloader builds it
-        num_images,
-        config.data.batch_size,
-        config.train.seed,
-        drop_last=False,
-        fill_last=True,
-        bucket_of=bucket_of,
+    sampler = training_sampler(
+        num_images, config.data.batch_size, config.train.seed, (0, 0), bucket_of
     )
     batches_per_epoch = sampler.num_batches_per_epoch
     total = config.train.max_steps or math.inf
