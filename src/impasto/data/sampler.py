@@ -137,16 +137,19 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         if fill_last and drop_last:
             raise ValueError("data: fill_last needs drop_last=False (there is no last batch)")
         self.fill_last = fill_last
+        # Counted once: the trainer asks after every batch, and bucket_of may hold millions.
+        if self.bucket_of is not None:
+            sizes = Counter(bucket for bucket in self.bucket_of if bucket is not None)
+            self._num_batches = sum(num_batches(n, batch_size, False) for n in sizes.values())
+        else:
+            self._num_batches = num_batches(num_samples, batch_size, drop_last)
         self._position = BatchPosition(0, 0)
         self.seek(*start_position_tuple(start_position))
 
     @property
     def num_batches_per_epoch(self) -> int:
         """Batches in every epoch (with buckets: the sum over buckets of ceil(size / batch))."""
-        if self.bucket_of is not None:
-            sizes = Counter(bucket for bucket in self.bucket_of if bucket is not None)
-            return sum(num_batches(size, self.batch_size, False) for size in sizes.values())
-        return num_batches(self.num_samples, self.batch_size, self.drop_last)
+        return self._num_batches
 
     @property
     def position(self) -> BatchPosition:
