@@ -50,7 +50,7 @@ def objective_rows(
         probabilities = TIMESTEP_PROBABILITIES[objective.timestep_sampling](num_steps, **params)
         snr = resolved.snr(times)
         sigmas = sigmas_from_alphas_cumprod(resolved.alphas_cumprod)
-    weights = resolved.loss_weights(times, snr)
+    weights = resolved.loss_weights(times)
     return [
         {
             "t": times[i].item(),

@@ -127,23 +127,22 @@ class Objective:
         ``mask`` [B, 1, h, w] at the prediction's resolution: the loss is the mean over it.
         """
         config = self.config
-        snr = self.snr(times)
         kwargs = {"mask": mask}
         if config.loss in ("huber", "pseudo_huber"):
             fraction = times if config.is_flow else times / self.num_train_timesteps
+            sigma = self.snr(times).rsqrt().float()
             schedule = HUBER_C_SCHEDULES[config.huber_schedule]
-            kwargs["huber_c"] = schedule(fraction.float(), snr.rsqrt().float(), config.huber_c)
+            kwargs["huber_c"] = schedule(fraction.float(), sigma, config.huber_c)
         loss = LOSSES[config.loss](prediction, target, **kwargs)
         if config.loss_weighting == "none":
             return loss
-        return loss * self.loss_weights(times, snr).to(loss.device)
+        return loss * self.loss_weights(times).to(loss.device)
 
-    def loss_weights(self, times: Tensor, snr: Tensor | None = None) -> Tensor:
-        """The loss weight at each of ``times``, float32 [B] (``snr``: ``self.snr(times)``)."""
+    def loss_weights(self, times: Tensor) -> Tensor:
+        """The loss weight at each of ``times``, float32 [B]."""
         config = self.config
         if config.is_flow and config.loss_weighting in FLOW_LOSS_WEIGHTINGS:
             return FLOW_LOSS_WEIGHTINGS[config.loss_weighting](times)
-        snr = self.snr(times) if snr is None else snr
         return LOSS_WEIGHTINGS[config.loss_weighting](
-            snr, config.prediction_type, **config.loss_weighting_params()
+            self.snr(times), config.prediction_type, **config.loss_weighting_params()
         )
