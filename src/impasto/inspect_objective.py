@@ -16,7 +16,6 @@ from impasto.config.schema import ObjectiveConfig
 from impasto.objectives import (
     FLOW_TIME_DENSITIES,
     TIMESTEP_PROBABILITIES,
-    shift_for_size,
     shifted_flow_density,
     sigmas_from_alphas_cumprod,
 )
@@ -39,9 +38,8 @@ def objective_rows(
     params = objective.timestep_sampler_params()
     if objective.is_flow:
         times = (torch.arange(num_steps, dtype=torch.float64) + 0.5) / num_steps
-        height, width = image_size or (0, 0)
-        shift = shift_for_size(objective.flow_shift, height, width, objective.flow_shift_resolution)
         density = FLOW_TIME_DENSITIES[objective.timestep_sampling]
+        shift = resolved.flow_shift(image_size)
         probabilities = shifted_flow_density(density, times, shift, **params)
         snr = resolved.snr(times)
         sigmas = snr.rsqrt()

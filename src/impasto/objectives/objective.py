@@ -63,11 +63,15 @@ class Objective:
             sampler = TIMESTEP_SAMPLERS[config.timestep_sampling]
             return sampler(batch_size, self.num_train_timesteps, generator, device, **params)
         t = FLOW_TIME_SAMPLERS[config.timestep_sampling](batch_size, generator, device, **params)
-        height, width = image_size or (0, 0)
+        return shift_flow_times(t, self.flow_shift(image_size))
+
+    def flow_shift(self, image_size: tuple[int, int] | None = None) -> float:
+        """The flow shift at an (H, W) image: ``flow_shift``, scaled by ``shift_for_size``."""
+        config = self.config
         if config.flow_shift_resolution is not None and image_size is None:
             raise ValueError("flow_shift_resolution needs the image size to shift t")
-        shift = shift_for_size(config.flow_shift, height, width, config.flow_shift_resolution)
-        return shift_flow_times(t, shift)
+        height, width = image_size or (0, 0)
+        return shift_for_size(config.flow_shift, height, width, config.flow_shift_resolution)
 
     def noised(
         self, latents: Tensor, noise: Tensor, noise_for_input: Tensor, times: Tensor
