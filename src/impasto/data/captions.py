@@ -68,11 +68,10 @@ def tag_frequency_weights(
         raise ValueError(
             f"data: need 0 < tag_weight_min <= 1 <= tag_weight_max, got {min_weight}, {max_weight}"
         )
-    tag_lists = [split_tags(caption, separator) for caption in captions]
-    counts = Counter(tag for tags in tag_lists for tag in set(tags))
+    tag_sets = [set(split_tags(caption, separator)) for caption in captions]
+    counts = Counter(tag for tags in tag_sets for tag in tags)
     scores = [
-        sum(1 / counts[tag] for tag in set(tags)) / len(set(tags)) if tags else None
-        for tags in tag_lists
+        sum(1 / counts[tag] for tag in tags) / len(tags) if tags else None for tags in tag_sets
     ]
     known = [score for score in scores if score is not None]
     mean = sum(known) / len(known) if known else 1.0
