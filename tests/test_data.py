@@ -285,7 +285,7 @@ def test_sampler_epochs_are_permutations_and_differ() -> None:
     for epoch in range(3):
         keys = [key for batch in batches[3 * epoch : 3 * epoch + 3] for key in batch]
         assert {key[0] for key in keys} == {epoch}
-        assert [key[2] for key in keys] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+        assert [key[3] for key in keys] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
         indices = [key[1] for key in keys]
         assert len(set(indices)) == 9 and set(indices) <= set(range(10))
         orders.append(indices)
@@ -316,7 +316,7 @@ def test_sampler_position_ignores_prefetching() -> None:
     prefetched = [next(iterator), next(iterator), next(iterator)]  # a loader running ahead
     assert sampler.position == BatchPosition(0, 0)
     assert sampler.advance() == BatchPosition(0, 1)
-    assert [key.batch_in_epoch for key in prefetched[1]] == [1, 1, 1]
+    assert [key.step_batch for key in prefetched[1]] == [1, 1, 1]
     assert [tuple(k) for k in next(iter(sampler))] == [tuple(k) for k in prefetched[1]]
     assert len(list(iterator)) == 1  # the old iterator still finishes its own epoch
 
@@ -413,7 +413,7 @@ def test_bad_files_become_none_and_are_counted(tmp_path: Path) -> None:
 def test_batch_fields(tmp_path: Path) -> None:
     records = demo_records(tmp_path, num_images=4, size=48)
     dataset = ImageCaptionDataset(records, 32, "center", False, seed=0)
-    batch = collate_examples([dataset[(0, 1, 0)], dataset[(0, 2, 0)]])
+    batch = collate_examples([dataset[(0, 1, 0, 0)], dataset[(0, 2, 0, 0)]])
     assert batch is not None
     assert batch.pixel_values.shape == (2, 3, 32, 32)
     assert batch.original_sizes.tolist() == [[48, 48], [48, 48]]

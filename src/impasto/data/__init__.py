@@ -75,9 +75,12 @@ def training_sampler(
     seed: int,
     start_position: BatchPosition | tuple[int, int] = (0, 0),
     bucket_of: Sequence[tuple[int, int] | None] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> ResumableBatchSampler:
     """The batch order of training: shuffled per epoch, every batch full, no image left out
-    (a short last batch is filled with images the epoch already showed), by bucket if given."""
+    (a short last batch is filled with images the epoch already showed), by bucket if given;
+    rank ``rank`` of ``world_size`` loads its share of every step."""
     return ResumableBatchSampler(
         num_samples=num_samples,
         batch_size=batch_size,
@@ -87,6 +90,8 @@ def training_sampler(
         fill_last=True,
         start_position=start_position,
         bucket_of=bucket_of,
+        rank=rank,
+        world_size=world_size,
     )
 
 
@@ -104,6 +109,8 @@ def build_dataloader(
     bucket_of: Sequence[tuple[int, int] | None] | None = None,
     caption_tools: CaptionTools | None = None,
     loss_weights: Sequence[float] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[DataLoader, ResumableBatchSampler]:
     """A shuffling, exactly resumable loader of :class:`Batch` (or ``None`` for all-bad batches).
 
@@ -128,6 +135,7 @@ def build_dataloader(
             are left out. Without it, every image is a ``resolution`` square.
         caption_tools: tag shuffle / dropout / prefix and suffix (:mod:`impasto.data.captions`).
         loss_weights: each record's loss weight, carried to ``Batch.loss_weights``.
+        rank, world_size: this process's share of every step (``batch_size`` images each).
 
     Returns:
         ``(loader, sampler)``.
@@ -145,7 +153,9 @@ def build_dataloader(
         caption_tools,
         loss_weights,
     )
-    sampler = training_sampler(len(dataset), batch_size, seed, start_position, bucket_of)
+    sampler = training_sampler(
+        len(dataset), batch_size, seed, start_position, bucket_of, rank, world_size
+    )
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,

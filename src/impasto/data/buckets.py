@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from impasto.data.folder import ImageRecord
 from impasto.data.seeding import derive_seed
 from impasto.data.transforms import IMAGE_LOAD_ERRORS, get_crop_offsets, pil_to_tensor
 
@@ -263,8 +264,22 @@ def bucket_report(
     return BucketReport(counts=dict(counts), unplaced=unplaced)
 
 
+def image_size(image: ImageRecord | str | Path) -> tuple[int, int]:
+    """``(height, width)`` of an image file or record, from what the source knows or the
+    file's header (the pixels are not decoded)."""
+    if isinstance(image, ImageRecord):
+        if image.size is not None:
+            return image.size
+        opened = image.open_image()
+    else:
+        opened = Image.open(image)
+    with opened:
+        width, height = opened.size
+    return height, width
+
+
 def assign_image_buckets(
-    paths: Sequence[str | Path], buckets: Sequence[Bucket], no_upscale: bool = False
+    images: Sequence[ImageRecord | str | Path], buckets: Sequence[Bucket], no_upscale: bool = False
 ) -> tuple[list[Bucket | None], BucketReport]:
     """Each image's bucket (reading only its header) and the report of where they went.
 
@@ -273,19 +288,19 @@ def assign_image_buckets(
     """
     bucket_of: list[Bucket | None] = []
     reasons = {}
-    for path in paths:
+    names = [str(image.image_path if isinstance(image, ImageRecord) else image) for image in images]
+    for image, name in zip(images, names, strict=True):
         bucket = None
         try:
-            with Image.open(path) as image:
-                width, height = image.size
+            height, width = image_size(image)
         except IMAGE_LOAD_ERRORS as error:
-            reasons[str(path)] = f"unreadable ({type(error).__name__})"
+            reasons[name] = f"unreadable ({type(error).__name__})"
         else:
             bucket = assign_bucket(height, width, buckets, no_upscale)
             if bucket is None:
-                reasons[str(path)] = f"{height}x{width} is smaller than every bucket (no upscale)"
+                reasons[name] = f"{height}x{width} is smaller than every bucket (no upscale)"
         bucket_of.append(bucket)
-    report = bucket_report(dict(zip(map(str, paths), bucket_of, strict=True)), reasons)
+    report = bucket_report(dict(zip(names, bucket_of, strict=True)), reasons)
     return bucket_of, report
 
 

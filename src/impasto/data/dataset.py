@@ -54,8 +54,8 @@ class ImageCaptionDataset(Dataset):
     """Images and captions from a list of :class:`ImageRecord`, preprocessed for SDXL.
 
     Indexed with ``(epoch, index)`` or a :class:`~impasto.data.sampler.SampleKey`
-    ``(epoch, index, batch_in_epoch)``; returns an :class:`Example`, or ``None`` when the file
-    cannot be read as an image (a warning is logged), so one bad file never stops a run.
+    ``(epoch, index, step_epoch, step_batch)``; returns an :class:`Example`, or ``None`` when
+    the file cannot be read as an image (a warning is logged), so one bad file never stops a run.
 
     Args:
         records: the examples, e.g. from :func:`~impasto.data.folder.scan_image_folder`.
@@ -120,11 +120,11 @@ class ImageCaptionDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, ...]) -> Example | None:
         epoch, index = int(key[0]), int(key[1])
-        position = BatchPosition(epoch, int(key[2])) if len(key) > 2 else None
+        position = BatchPosition(int(key[2]), int(key[3])) if len(key) > 3 else None
         record = self.records[index]
         generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index))
         try:
-            with Image.open(record.image_path) as image:
+            with record.open_image() as image:
                 # Image.open only reads the header; load() decodes, so a truncated file fails here.
                 image.load()
                 pixel_values, original_size, crop_top_left = self._transform(

@@ -9,23 +9,58 @@ absolute), and optionally ``caption`` and ``weight``.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
+
+from PIL import Image
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
 """Lower-case suffixes accepted as images; matching ignores case (``.PNG`` works too)."""
 
 
+class ImageBlob(Protocol):
+    """Where an image's bytes live when they are not a plain file (a tar member, a dataset
+    row). Implementations are small, picklable values (loader workers receive them)."""
+
+    def read(self) -> bytes:
+        """The encoded image file (JPEG, PNG, ...)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ImageRecord:
-    """One training example on disk: an image file, its caption ("" when it has none), and a
-    loss weight (a subfolder's or manifest row's; 1 by default)."""
+    """One training example: an image, its caption ("" when it has none), and a loss weight
+    (a subfolder's or manifest row's; 1 by default).
 
-    image_path: Path
+    Attributes:
+        image_path: the image file; for other sources (``blob`` set) a name that identifies
+            the image in messages and reports (e.g. ``shard-0003.tar/000123.jpg``).
+        caption: the caption text.
+        weight: loss weight.
+        blob: reads the image bytes when they are not the file ``image_path``.
+        size: ``(height, width)`` when the source already knows it (saves opening the image
+            to place it in a bucket).
+    """
+
+    image_path: Path | str
     caption: str
     weight: float = 1.0
+    blob: ImageBlob | None = None
+    size: tuple[int, int] | None = None
+
+    def read_bytes(self) -> bytes:
+        """The encoded image file."""
+        return self.blob.read() if self.blob is not None else Path(self.image_path).read_bytes()
+
+    def open_image(self) -> Image.Image:
+        """The image, opened lazily (``Image.open``: only the header is read until ``load()``)."""
+        if self.blob is None:
+            return Image.open(self.image_path)
+        return Image.open(io.BytesIO(self.blob.read()))
 
 
 def is_image_path(path: Path) -> bool:

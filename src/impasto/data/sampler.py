@@ -26,13 +26,20 @@ Typical loop::
 After the last batch of an epoch ``advance()`` moves to ``(epoch + 1, 0)``, so the next
 ``iter(loader)`` starts the next epoch; a run resumed mid-epoch yields the remaining batches of
 that epoch, then epochs identical to an uninterrupted run.
+
+Several ranks (``world_size`` > 1): the run is one endless sequence of per-rank batches (epoch
+after epoch, each epoch's plan a pure function of the seed). A step takes the next
+``world_size`` of them, rank ``r`` the ``r``-th, and the position counts per-rank batches, so it
+means the same for any number of ranks: a run resumed on 1, 2 or 8 ranks continues with the very
+next batch. No batch is dropped or repeated at an epoch's end; the step that crosses it takes its
+last batches from the next epoch.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import NamedTuple
 
 import torch
@@ -43,15 +50,17 @@ from impasto.data.seeding import derive_seed
 
 
 class SampleKey(NamedTuple):
-    """What the dataset is indexed with: which image, in which epoch, in which batch.
+    """What the dataset is indexed with: which image, in which epoch, in which step.
 
-    ``(epoch, index)`` fix the random augmentation; ``batch_in_epoch`` only travels along so
-    that the collated batch can report its :class:`BatchPosition`.
+    ``(epoch, index)`` fix the random augmentation; ``(step_epoch, step_batch)`` only travel
+    along so that the collated batch can report the :class:`BatchPosition` of its step (with
+    several ranks, a step that crosses an epoch's end takes images of the next epoch).
     """
 
     epoch: int
     index: int
-    batch_in_epoch: int
+    step_epoch: int
+    step_batch: int
 
 
 @dataclass(frozen=True, order=True)
@@ -102,6 +111,8 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         bucket_of: each sample's aspect bucket (None: not placed). Given, an epoch is
             :func:`~impasto.data.buckets.plan_bucket_batches`: single-bucket batches, a
             bucket's short last batch filled with its other images, nothing dropped.
+        rank: this process's rank; it loads the ``rank``-th batch of every step.
+        world_size: number of ranks; a step consumes ``world_size`` batches (module docstring).
     """
 
     def __init__(
@@ -114,7 +125,13 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         start_position: BatchPosition | tuple[int, int] = (0, 0),
         bucket_of: Sequence[tuple[int, int] | None] | None = None,
         fill_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"data: rank {rank} is outside world_size {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self._plans: dict[int, list[list[int]]] = {}
         if num_samples <= 0:
             raise ValueError(f"data: the dataset is empty (num_samples={num_samples}); add images")
         if batch_size <= 0:
@@ -181,6 +198,8 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             start_position=(epoch, batch_in_epoch),
             bucket_of=self.bucket_of,
             fill_last=self.fill_last,
+            rank=self.rank,
+            world_size=self.world_size,
         )
 
     def set_epoch(self, epoch: int) -> None:
@@ -192,21 +211,22 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         if epoch != self._position.epoch:
             self.seek(epoch, 0)
 
-    def advance(self, num_batches_consumed: int = 1) -> BatchPosition:
-        """Record that the trainer consumed the next batch(es); returns the new position.
+    def advance(self, num_steps: int = 1) -> BatchPosition:
+        """Record that the trainer consumed the next step(s); returns the new position.
 
-        Call it once per item the loader yields, ``None`` items included. Crossing the end of
-        an epoch moves to the next epoch.
+        Call it once per item the loader yields, ``None`` items included. A step is
+        ``world_size`` batches; crossing the end of an epoch moves into the next one.
         """
-        if num_batches_consumed < 0:
-            raise ValueError(f"data: cannot advance by {num_batches_consumed} batches")
-        absolute = (
-            self._position.epoch * self.num_batches_per_epoch
-            + self._position.batch_in_epoch
-            + num_batches_consumed
-        )
-        self._position = BatchPosition(*divmod(absolute, self.num_batches_per_epoch))
+        self._position = self.position_after(self._position, num_steps)
         return self._position
+
+    def position_after(self, position: BatchPosition, num_steps: int = 1) -> BatchPosition:
+        """Where the run is after ``num_steps`` steps from ``position``."""
+        if num_steps < 0:
+            raise ValueError(f"data: cannot advance by {num_steps} steps")
+        per_epoch = self.num_batches_per_epoch
+        absolute = position.epoch * per_epoch + position.batch_in_epoch
+        return BatchPosition(*divmod(absolute + num_steps * self.world_size, per_epoch))
 
     def state_dict(self) -> dict[str, int]:
         """The position plus the settings that fix the order, all plain ints."""
@@ -220,6 +240,7 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             "drop_last": int(self.drop_last),
             "bucketed": int(self.bucket_of is not None),
             "fill_last": int(self.fill_last),
+            "world_size": self.world_size,  # informative: any number of ranks may resume
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -238,20 +259,34 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
                 )
         self.seek(int(state["epoch"]), int(state["batch_in_epoch"]))
 
-    def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[list[SampleKey]]:
-        """Batches ``start ..`` of ``epoch``, independent of the current position."""
-        if self.bucket_of is not None:
-            plan = plan_bucket_batches(self.bucket_of, self.batch_size, self.seed, epoch)
-        else:
-            order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle).tolist()
-            if self.fill_last:
-                generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, 1))
-                plan = fill_batches(order, self.batch_size, generator)
+    def epoch_plan(self, epoch: int) -> list[list[int]]:
+        """Every batch of ``epoch`` (dataset indices), in order; the last two are kept."""
+        if epoch not in self._plans:
+            if self.bucket_of is not None:
+                plan = plan_bucket_batches(self.bucket_of, self.batch_size, self.seed, epoch)
             else:
-                size = self.batch_size
-                plan = [order[i : i + size] for i in range(0, len(order), size)]
-        for batch_in_epoch in range(start, self.num_batches_per_epoch):
-            yield [SampleKey(epoch, index, batch_in_epoch) for index in plan[batch_in_epoch]]
+                order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle).tolist()
+                if self.fill_last:
+                    generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, 1))
+                    plan = fill_batches(order, self.batch_size, generator)
+                else:
+                    size = self.batch_size
+                    plan = [order[i : i + size] for i in range(0, len(order), size)]
+                    plan = plan[: self.num_batches_per_epoch]
+            self._plans = {e: p for e, p in self._plans.items() if e == epoch - 1}
+            self._plans[epoch] = plan
+        return self._plans[epoch]
+
+    def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[list[SampleKey]]:
+        """This rank's batches of the steps that start in ``epoch`` at or after ``start``,
+        independent of the current position."""
+        step = BatchPosition(epoch, start)
+        while step.epoch == epoch:
+            absolute = step.epoch * self.num_batches_per_epoch + step.batch_in_epoch + self.rank
+            batch_epoch, batch = divmod(absolute, self.num_batches_per_epoch)
+            indices = self.epoch_plan(batch_epoch)[batch]
+            yield [SampleKey(batch_epoch, index, *astuple(step)) for index in indices]
+            step = self.position_after(step)
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
         # Read the position now, not lazily: the trainer calls advance() while the loader is
@@ -259,8 +294,9 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         return self.epoch_batches(self._position.epoch, self._position.batch_in_epoch)
 
     def __len__(self) -> int:
-        """Batches the next iteration will yield (the rest of the current epoch)."""
-        return self.num_batches_per_epoch - self._position.batch_in_epoch
+        """Steps the next iteration will yield (those starting in the current epoch)."""
+        remaining = self.num_batches_per_epoch - self._position.batch_in_epoch
+        return -(-remaining // self.world_size)
 
 
 def start_position_tuple(position: BatchPosition | tuple[int, int]) -> tuple[int, int]:

@@ -268,8 +268,7 @@ def place_in_buckets(
     buckets = config.data.bucket_list()
     if buckets is None:
         return None
-    paths = [record.image_path for record in records]
-    bucket_of, bucket_report = assign_image_buckets(paths, buckets, config.data.bucket_no_upscale)
+    bucket_of, bucket_report = assign_image_buckets(records, buckets, config.data.bucket_no_upscale)
     text = bucket_report.format()
     (run_dir / "buckets.txt").write_text(text + "\n", encoding="utf-8")
     print(f"impasto: aspect buckets ({run_dir / 'buckets.txt'}):\n{text}")
@@ -332,10 +331,11 @@ def micro_batches(
             caption_tools=config.data.caption_tools(),
             loss_weights=loss_weights,
         )
-        for offset, batch in enumerate(loader):
-            after = first + offset + 1
-            yield batch, (epoch, after) if after < sampler.num_batches_per_epoch else (epoch + 1, 0)
-        epoch, first = epoch + 1, 0
+        position = sampler.position
+        for batch in loader:
+            position = sampler.position_after(position)
+            yield batch, (position.epoch, position.batch_in_epoch)
+        epoch, first = position.epoch, position.batch_in_epoch
 
 
 def report(state: TrainState, elapsed: float, interrupted: bool, checkpoint: Path | None) -> None:
