@@ -52,10 +52,13 @@ NUM_INDEX_THREADS = 8
 LARGE_ROW_GROUP_BYTES = 64 * 1024 * 1024
 
 
-def _image_size(data: bytes) -> tuple[int, int] | None:
-    """``(height, width)`` from the image header (pixels are not decoded); None if unreadable."""
+def _image_size(image_file: bytes | str) -> tuple[int, int] | None:
+    """``(height, width)`` from the header of encoded image bytes or an image file (pixels are
+    not decoded); None when unreadable: the loader reports bad images when it reads them."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(
+            io.BytesIO(image_file) if isinstance(image_file, bytes) else image_file
+        ) as image:
             width, height = image.size
     except IMAGE_LOAD_ERRORS:
         return None
@@ -92,7 +95,7 @@ class FsspecRangeBlob:
         return filesystem.cat_file(path, start=self.offset, end=self.offset + self.size)
 
 
-RANGE_BLOBS: dict[str, Callable[[str, int, int], FileRangeBlob | FsspecRangeBlob]] = {
+RANGE_BLOBS: dict[str, type[FileRangeBlob | FsspecRangeBlob]] = {
     "file": FileRangeBlob,
     "fsspec": FsspecRangeBlob,
 }
@@ -119,8 +122,10 @@ def _local_path(url: str) -> Path | None:
 def _shard_name(url: str) -> str:
     """The shard's file name for messages: ``pipe:curl -s https://x/a.tar`` gives ``a.tar``."""
     if url.startswith("pipe:"):
-        words = shlex.split(url.removeprefix("pipe:")) or [url]
-        url = words[-1]
+        try:
+            url = shlex.split(url.removeprefix("pipe:"))[-1]
+        except (ValueError, IndexError):  # unbalanced quotes, or no command
+            pass
     return url.rstrip("/").rsplit("/", 1)[-1]
 
 
@@ -143,10 +148,9 @@ def _copy_pipe(url: str, target: Path) -> None:
     command = url.removeprefix("pipe:")
 
     def write(handle: IO[bytes]) -> None:
-        process = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE)
-        with process.stdout:
+        with subprocess.Popen(command, shell=True, stdout=subprocess.PIPE) as process:
             shutil.copyfileobj(process.stdout, handle)
-        if process.wait() != 0:
+        if process.returncode != 0:
             raise ValueError(
                 f"data: shard {url}: the command exited with status {process.returncode}; "
                 "run it in a shell to see why"
@@ -183,62 +187,63 @@ def _json_caption(data: bytes, where: str) -> str:
     return ""
 
 
-def _sample_caption(captions: dict[str, tuple[str, bytes]], shard: str) -> str:
+def _sample_caption(
+    archive: tarfile.TarFile, members: dict[str, tarfile.TarInfo], shard: str
+) -> str:
     """A sample's caption from its ``txt``, else ``caption``, else ``json`` member, else ""."""
-    for suffix in SHARD_CAPTION_SUFFIXES:
-        if suffix not in captions:
-            continue
-        member, data = captions[suffix]
-        where = f"shard {shard} member {member}"
-        if suffix == "json":
-            return _json_caption(data, where)
-        try:
-            return data.decode("utf-8-sig").strip()
-        except UnicodeDecodeError:
-            raise ValueError(f"data: {where} is not valid UTF-8; re-save it as UTF-8") from None
-    return ""
+    suffix = next((suffix for suffix in SHARD_CAPTION_SUFFIXES if suffix in members), None)
+    if suffix is None:
+        return ""
+    where = f"shard {shard} member {members[suffix].name}"
+    data = archive.extractfile(members[suffix]).read()
+    if suffix == "json":
+        return _json_caption(data, where)
+    try:
+        return data.decode("utf-8-sig").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"data: {where} is not valid UTF-8; re-save it as UTF-8") from None
 
 
 def _scan_tar(handle: IO[bytes], shard: str) -> dict[str, Any]:
     """Index a seekable, uncompressed tar: each sample's image member, its data offset and size,
-    the image's ``(height, width)`` and the caption. Samples are keyed by the member path up to
-    the first dot of its file name (the webdataset convention)."""
-    images: dict[str, dict[str, Any]] = {}
-    captions: dict[str, dict[str, tuple[str, bytes]]] = {}
+    the image's ``(height, width)`` and the caption. A sample is the members that share a key:
+    the member path up to the first dot of its file name (the webdataset convention)."""
+    samples = []
     try:
         with tarfile.open(fileobj=handle, mode="r:") as archive:
+            groups: dict[str, dict[str, tarfile.TarInfo]] = {}
             for member in archive:
                 _check_member_name(member.name, shard)
                 folder, _, file_name = member.name.rpartition("/")
                 stem, dot, suffix = file_name.partition(".")
-                suffix = suffix.lower()
-                if not member.isfile() or not dot:
-                    continue
-                key = f"{folder}/{stem}" if folder else stem
-                captions.setdefault(key, {})
-                if suffix in SHARD_CAPTION_SUFFIXES:
-                    captions[key][suffix] = (member.name, archive.extractfile(member).read())
-                elif suffix in SHARD_IMAGE_SUFFIXES:
-                    rank = SHARD_IMAGE_SUFFIXES.index(suffix)
-                    if key not in images or rank < images[key]["rank"]:
-                        size = _member_image_size(archive.extractfile(member))
-                        images[key] = {"member": member.name, "offset": member.offset_data,
-                                       "size": member.size, "hw": size, "rank": rank}  # fmt: skip
+                if member.isfile() and dot:
+                    key = f"{folder}/{stem}" if folder else stem
+                    groups.setdefault(key, {}).setdefault(suffix.lower(), member)
             # A whole archive ends with zero blocks; anything else after the last member is a
-            # truncated header or garbage that tarfile would silently stop at.
+            # truncated header or garbage, where tarfile silently stops.
             handle.seek(archive.offset)
             if handle.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):
                 raise tarfile.ReadError(f"no end-of-archive marker after byte {archive.offset}")
+            for members in groups.values():
+                suffix = next((s for s in SHARD_IMAGE_SUFFIXES if s in members), None)
+                if suffix is None:
+                    continue
+                image = members[suffix]
+                samples.append(
+                    {
+                        "member": image.name,
+                        "offset": image.offset_data,
+                        "size": image.size,
+                        "hw": _member_image_size(archive.extractfile(image)),
+                        "caption": _sample_caption(archive, members, shard),
+                    }
+                )
     except tarfile.TarError as error:
         raise ValueError(
             f"data: shard {shard} is truncated or not an uncompressed tar ({error}); "
             "re-download or re-create it"
         ) from None
-    samples = [
-        {**{k: v for k, v in image.items() if k != "rank"}, "caption": _sample_caption(captions[key], shard)}
-        for key, image in images.items()
-    ]
-    return {"samples": samples, "num_without_image": len(captions) - len(images)}
+    return {"samples": samples, "num_without_image": len(groups) - len(samples)}
 
 
 def _load_index(index_path: Path, url: str) -> dict[str, Any] | None:
@@ -323,8 +328,10 @@ def webdataset_records(urls: str | Sequence[str], index_dir: Path) -> list[Image
         if index["num_without_image"]:
             logger.warning(
                 "data: shard %s: skipped %d samples without a %s member",
-                url, index["num_without_image"], "/".join(SHARD_IMAGE_SUFFIXES),
-            )  # fmt: skip
+                url,
+                index["num_without_image"],
+                "/".join(SHARD_IMAGE_SUFFIXES),
+            )
         make_blob = RANGE_BLOBS[index["reader"]]
         for sample in index["samples"]:
             records.append(
@@ -336,7 +343,7 @@ def webdataset_records(urls: str | Sequence[str], index_dir: Path) -> list[Image
                 )
             )
     if not records:
-        raise ValueError(f"data: no images in the {len(expanded)} shards of {urls}")
+        raise ValueError(f"data: no images in the {len(expanded)} shards from {expanded[0]}")
     return records
 
 
@@ -381,7 +388,9 @@ def _row_weight(raw_weight: Any, where: str) -> float:
     return weight
 
 
-def _parquet_record(path: Path, row: dict[str, Any], number: int, blob: ParquetRowBlob):
+def _parquet_record(
+    path: Path, row: dict[str, Any], number: int, blob: ParquetRowBlob
+) -> ImageRecord:
     where = f"{path} row {number}"
     image = row["image"]
     if isinstance(image, dict):  # a Hugging Face Image struct {"bytes": ..., "path": ...}
@@ -430,11 +439,175 @@ def parquet_records(path: Path) -> list[ImageRecord]:
             records.append(_parquet_record(path, row, len(records) + 1, blob))
     if not records:
         raise ValueError(f"data: parquet manifest {path} has no rows")
-    largest = max(parquet.metadata.row_group(g).total_byte_size for g in range(parquet.num_row_groups))
+    largest = max(
+        parquet.metadata.row_group(g).total_byte_size for g in range(parquet.num_row_groups)
+    )
     if any(record.blob for record in records) and largest > LARGE_ROW_GROUP_BYTES:
         logger.warning(
             "data: %s has row groups of up to %d MiB, read whole for each image; rewrite it "
             "with smaller row groups (pyarrow.parquet.write_table(..., row_group_size=64))",
-            path, largest >> 20,
-        )  # fmt: skip
+            path,
+            largest >> 20,
+        )
+    return records
+
+
+@contextmanager
+def _hf_offline() -> Iterator[None]:
+    """Offline mode for ``datasets`` and ``huggingface_hub`` while loading: both read their
+    ``HF_*_OFFLINE`` variables at import, so the flags are set on their config modules."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    flags = [
+        (datasets.config, "HF_HUB_OFFLINE"),
+        (datasets.config, "HF_DATASETS_OFFLINE"),  # older datasets read this one
+        (huggingface_hub.constants, "HF_HUB_OFFLINE"),
+    ]
+    saved = [
+        (module, name, getattr(module, name)) for module, name in flags if hasattr(module, name)
+    ]
+    for module, name, _ in saved:
+        setattr(module, name, True)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def _load_hf_dataset(path: str, split: str | None):
+    """The split of a ``save_to_disk`` folder, or of a folder ``load_dataset`` reads, offline.
+    A plain saved ``Dataset`` has no splits: ``split`` is ignored for it."""
+    import datasets
+
+    with _hf_offline():
+        try:
+            loaded = datasets.load_from_disk(path)
+        except FileNotFoundError:
+            try:
+                loaded = datasets.load_dataset(path)
+            except (FileNotFoundError, ValueError) as error:
+                reason = (str(error).splitlines() or [type(error).__name__])[0]
+                raise ValueError(
+                    f"data: {path} is neither a save_to_disk folder nor a dataset folder "
+                    f"load_dataset reads ({reason})"
+                ) from None
+    if isinstance(loaded, datasets.Dataset):
+        return loaded
+    splits = list(loaded)
+    if split is None and len(splits) == 1:
+        return loaded[splits[0]]
+    if split not in loaded:
+        raise ValueError(f"data: {path} has no split {split!r}; its splits: {', '.join(splits)}")
+    return loaded[split]
+
+
+def _image_column(dataset, column: str, where: str, other_columns: Sequence[str] = ()):
+    """``dataset`` with ``column`` read as undecoded images ``{"bytes", "path"}``, and
+    ``other_columns``."""
+    import datasets
+
+    for name in (column, *other_columns):
+        if name not in dataset.column_names:
+            names = ", ".join(dataset.column_names)
+            raise ValueError(f"data: {where} has no column {name!r}; its columns: {names}")
+    try:
+        selected = dataset.select_columns([column, *other_columns])
+        return selected.cast_column(column, datasets.Image(decode=False))
+    except (TypeError, ValueError, pa.ArrowException) as error:
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ValueError(
+            f"data: {where} column {column!r} does not hold images ({reason})"
+        ) from None
+
+
+# One loaded dataset per (process, path, split, column); loaded lazily in each loader worker.
+_HF_IMAGES: dict[tuple[int, str, str | None, str], Any] = {}
+
+
+def _hf_images(path: str, split: str | None, column: str):
+    key = (os.getpid(), path, split, column)
+    if key not in _HF_IMAGES:
+        _HF_IMAGES[key] = _image_column(_load_hf_dataset(path, split), column, path)
+    return _HF_IMAGES[key]
+
+
+def _hf_image_file(value: dict[str, Any] | None) -> bytes | str | None:
+    """An undecoded image value's bytes, or else its local file (an image folder's rows)."""
+    return (value.get("bytes") or value.get("path")) if value else None
+
+
+@dataclass(frozen=True)
+class HFRowBlob:
+    """The image bytes of ``dataset[index][column]`` of a local Hugging Face dataset."""
+
+    path: str
+    split: str | None
+    index: int
+    column: str
+
+    def read(self) -> bytes:
+        image_file = _hf_image_file(
+            _hf_images(self.path, self.split, self.column)[self.index][self.column]
+        )
+        if image_file is None:
+            raise OSError(f"{self.path} index {self.index}: no image bytes or path")
+        return image_file if isinstance(image_file, bytes) else Path(image_file).read_bytes()
+
+
+def hf_dataset_records(
+    path: str | Path,
+    split: str | None = "train",
+    image_column: str = "image",
+    caption_column: str | None = "text",
+) -> list[ImageRecord]:
+    """The rows of a local Hugging Face dataset, in index order, without touching the network.
+
+    Args:
+        path: a local folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``,
+            or one ``datasets.load_dataset(path)`` reads (Parquet files, an image folder).
+        split: the split to read; ``None`` takes the only one. Ignored for a plain ``Dataset``.
+        image_column: the images (``datasets.Image``, or bytes or paths castable to it).
+        caption_column: the caption strings; ``None`` gives every image the empty caption.
+
+    Raises:
+        ValueError: not a local folder, no such split or column, or a row without an image.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(
+            f"data: Hugging Face dataset {path} is not a local folder; download it first "
+            "(huggingface-cli download --repo-type dataset NAME --local-dir DIR) and pass DIR"
+        )
+    resolved = str(folder.resolve())
+    where = resolved if split is None else f"{resolved} split {split!r}"
+    dataset = _load_hf_dataset(resolved, split)
+    other_columns = [caption_column] if caption_column is not None else []
+    rows = _image_column(dataset, image_column, where, other_columns)
+    # The blobs of this process (a loader without workers) reuse the dataset loaded here.
+    _HF_IMAGES[(os.getpid(), resolved, split, image_column)] = rows.select_columns([image_column])
+    prefix = folder.name if split is None else f"{folder.name}/{split}"
+    records = []
+    for batch in rows.iter(batch_size=256):
+        captions = (
+            batch[caption_column] if caption_column is not None else [""] * len(batch[image_column])
+        )
+        for image, caption in zip(batch[image_column], captions, strict=True):
+            index = len(records)
+            if caption is not None and not isinstance(caption, str):
+                raise ValueError(f"data: {where} index {index}: the caption is not a string")
+            image_file = _hf_image_file(image)
+            if image_file is None:
+                raise ValueError(f"data: {where} index {index}: no image")
+            records.append(
+                ImageRecord(
+                    image_path=f"{prefix}/{index}",
+                    caption=(caption or "").strip(),
+                    blob=HFRowBlob(resolved, split, index, image_column),
+                    size=_image_size(image_file),
+                )
+            )
+    if not records:
+        raise ValueError(f"data: {where} has no rows")
     return records
