@@ -9,10 +9,14 @@ to a temporary folder, then times, on the same files in the same run:
 - ``decode+bucket``: decode, then the SDXL bucket's cover-resize, crop and tensor conversion
   (``impasto.data.buckets``);
 - ``loader wK``: the training loader (``build_dataloader`` with SDXL buckets, batch 4) with K
-  worker processes, pulling one epoch.
+  worker processes, pulling one epoch;
+- ``cached wK``: the training loader reading VAE posteriors (mean and std, 4×128×128 each, the
+  size of a 1024² SDXL latent, float16) from the on-disk cache (``impasto.data.cache``) with
+  K workers: ``--cached`` entries with random flip (two outcomes each), batch 32, pulling
+  ``--cached-samples`` samples. No image is decoded; the shards are in the page cache, as
+  they are in a run after the first epoch.
 
-Prints samples/s and the ratio to ``decode``. The cached-latent path comes with the on-disk
-cache (issue #6).
+Prints samples/s and the ratio to ``decode``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from impasto.data import ImageRecord, build_dataloader
+from impasto.data import ImageCaptionDataset, ImageRecord, build_dataloader
 from impasto.data.buckets import (
     SDXL_BUCKETS,
     apply_bucket_transform,
@@ -35,6 +39,7 @@ from impasto.data.buckets import (
     assign_image_buckets,
     bucket_transform_params,
 )
+from impasto.data.cache import CachedEncodings, ImageId, ShardStore, ShardWriter, latent_key
 
 
 def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:
@@ -93,10 +98,50 @@ def time_loader(paths: list[Path], workers: int) -> float:
     return _rate(count, time.perf_counter() - start)
 
 
+def write_cache(folder: Path, count: int) -> tuple[list[ImageRecord], CachedEncodings]:
+    """``count`` records of 1024² images with both flips' posteriors in a cache (random values)."""
+    records = [
+        ImageRecord(f"synthetic/{i}.png", f"image {i}", size=(1024, 1024)) for i in range(count)
+    ]
+    ids = [ImageId(f"{i:064x}", 1024, 1024) for i in range(count)]
+    dataset = ImageCaptionDataset(records, 1024, "center", True, seed=0)
+    writer = ShardWriter(folder, "latents", rank=0, max_bytes=256 << 20)
+    generator = torch.Generator().manual_seed(0)
+    for image_id in ids:
+        for params in dataset.transform.every_params(1024, 1024, None):
+            key = latent_key(image_id, params, "bench-vae", "float16")
+            mean = torch.randn(4, 128, 128, generator=generator).half()
+            writer.add({f"{key}.mean": mean, f"{key}.std": mean.abs() * 0.01})
+    writer.flush()
+    return records, CachedEncodings(ShardStore(folder), ids, "bench-vae", None, "float16")
+
+
+def time_cached(
+    records: list[ImageRecord], cache: CachedEncodings, workers: int, samples: int
+) -> float:
+    loader, sampler = build_dataloader(
+        records, 1024, "center", True, 32, seed=0, num_workers=workers, cache=cache
+    )
+    iterator, count = iter(loader), 0
+    next(iterator)  # worker start-up is not throughput
+    start = time.perf_counter()
+    while count < samples:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            sampler.advance(len(sampler))
+            iterator = iter(loader)
+            continue
+        count += batch.size
+    return _rate(count, time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--cached", type=int, default=256, help="entries in the latent cache")
+    parser.add_argument("--cached-samples", type=int, default=8192)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,6 +150,9 @@ def main() -> None:
         rows = {"decode": time_decode(paths), "decode+bucket": time_decode_bucket(paths)}
         for workers in args.workers:
             rows[f"loader w{workers}"] = time_loader(paths, workers)
+        records, cache = write_cache(Path(tmp) / "cache", args.cached)
+        for workers in args.workers:
+            rows[f"cached w{workers}"] = time_cached(records, cache, workers, args.cached_samples)
     baseline = rows["decode"]
     if args.json:
         print(json.dumps({"images": args.images, "samples_per_s": rows}))

@@ -57,7 +57,7 @@ MALFORMED = [
     ("checkpoint.keep_last", 0, "checkpoint.keep_last: "),
     ("log.every", 5, "log.every: unknown key; did you mean 'every_steps'?"),
     ("trian.max_steps", 5, "trian: unknown key; did you mean 'train'?"),
-    ("cache.latents", "disk", "cache.latents: input should be 'none' or 'memory'"),
+    ("cache.latents", "gpu", "cache.latents: input should be 'none', 'memory' or 'disk'"),
     ("config_version", 9, "config_version: 9 is newer than this impasto supports"),
 ]
 

@@ -28,6 +28,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 130 if result.interrupted else 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from impasto.config import load_config
+    from impasto.train.trainer import cache_data
+
+    report = cache_data(load_config(args.config, args.set or []))
+    print(f"impasto: {report.format()}")
+    return 0
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from impasto.inference import SampleRequest, sample_checkpoint
 
@@ -194,10 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=cmd_export)
 
     sub.add_parser("doctor", help="report the environment").set_defaults(func=cmd_doctor)
-    for name, issue, help_text in (
-        ("cache", 6, "fill the latent and text-embedding cache"),
-        ("bench", 7, "synthetic speed and memory benchmark"),
-    ):
+    cache = sub.add_parser(
+        "cache",
+        help="fill the disk cache of latents and text embeddings (split across torchrun ranks)",
+    )
+    cache.add_argument("config", help="YAML config file (cache.latents / text_embeddings: disk)")
+    cache.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value")
+    cache.set_defaults(func=cmd_cache)
+    for name, issue, help_text in (("bench", 7, "synthetic speed and memory benchmark"),):
         stub = sub.add_parser(name, help=f"{help_text} (not implemented yet: issue #{issue})")
         stub.add_argument("rest", nargs=argparse.REMAINDER)
         stub.set_defaults(func=not_yet(name, issue))

@@ -312,11 +312,31 @@ class CacheConfig(Section):
 
     ``memory`` keeps them in RAM for the rest of the run: text embeddings per distinct caption,
     VAE posteriors per image (only when images are deterministic: center crop, no flip).
-    Issue #6 adds an on-disk, content-addressed cache.
+    ``disk`` keeps them in a content-addressed cache folder shared by runs and ranks
+    (:mod:`impasto.data.cache`), filled by ``impasto cache CONFIG`` or at the start of
+    ``impasto train``.
     """
 
-    latents: Literal["none", "memory"] = "none"
-    text_embeddings: Literal["none", "memory"] = "none"
+    latents: Literal["none", "memory", "disk"] = "none"
+    text_embeddings: Literal["none", "memory", "disk"] = "none"
+    dir: str | None = Field(
+        None, description="disk: the cache folder (default: .impasto-cache in the data folder)"
+    )
+    dtype: Literal["float16", "bfloat16", "float32"] = Field(
+        "float16", description="disk: storage dtype of the cached tensors"
+    )
+    caption_variants: int = Field(
+        4,
+        ge=1,
+        description="disk text with tag shuffle/dropout: augmented variants cached per caption; "
+        "epoch e trains with variant e mod this",
+    )
+    batch_size: int = Field(8, ge=1, description="disk: images or captions encoded at once")
+    shard_size_mb: int = Field(256, ge=1, description="disk: size of each cache file")
+
+    @property
+    def on_disk(self) -> bool:
+        return "disk" in (self.latents, self.text_embeddings)
 
 
 PartMode = Literal["full", "lora", "frozen"]
@@ -477,10 +497,11 @@ class Config(Section):
     def _cache_fits_the_parts(self) -> Config:
         parts = self.parts
         text_trains = parts.text_encoder != "frozen" or parts.text_encoder_2 != "frozen"
-        if self.cache.text_embeddings == "memory" and text_trains:
+        if self.cache.text_embeddings != "none" and text_trains:
             raise ValueError(
-                "cache.text_embeddings: 'memory' reuses embeddings of frozen text encoders; "
-                "set it to none when parts.text_encoder or parts.text_encoder_2 trains"
+                f"cache.text_embeddings: {self.cache.text_embeddings!r} reuses embeddings of "
+                "frozen text encoders; set it to none when parts.text_encoder or "
+                "parts.text_encoder_2 trains"
             )
         return self
 
@@ -490,5 +511,10 @@ class Config(Section):
             raise ValueError(
                 "cache.latents: 'memory' needs the same pixels every epoch (data.crop: center, "
                 "data.random_flip: false); set cache.latents: none for random crops or flips"
+            )
+        if self.cache.latents == "disk" and self.data.crop != "center":
+            raise ValueError(
+                "cache.latents: 'disk' holds each image's center crop (and its mirror with "
+                "random_flip); set data.crop: center, or cache.latents: none for random crops"
             )
         return self

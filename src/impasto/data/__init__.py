@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from torch.utils.data import DataLoader
 
+from impasto.data.cache import CachedEncodings
 from impasto.data.captions import CaptionTools
 from impasto.data.dataset import Batch, Example, ImageCaptionDataset, collate_examples
 from impasto.data.demo import (
@@ -111,6 +112,7 @@ def build_dataloader(
     loss_weights: Sequence[float] | None = None,
     rank: int = 0,
     world_size: int = 1,
+    cache: CachedEncodings | None = None,
 ) -> tuple[DataLoader, ResumableBatchSampler]:
     """A shuffling, exactly resumable loader of :class:`Batch` (or ``None`` for all-bad batches).
 
@@ -136,6 +138,7 @@ def build_dataloader(
         caption_tools: tag shuffle / dropout / prefix and suffix (:mod:`impasto.data.captions`).
         loss_weights: each record's loss weight, carried to ``Batch.loss_weights``.
         rank, world_size: this process's share of every step (``batch_size`` images each).
+        cache: read latents and/or text encodings from the disk cache (:mod:`.cache`).
 
     Returns:
         ``(loader, sampler)``.
@@ -152,6 +155,7 @@ def build_dataloader(
         bucket_of,
         caption_tools,
         loss_weights,
+        cache,
     )
     sampler = training_sampler(
         len(dataset), batch_size, seed, start_position, bucket_of, rank, world_size

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -21,7 +21,12 @@ from PIL import Image
 
 from impasto.data.folder import ImageRecord
 from impasto.data.seeding import derive_seed
-from impasto.data.transforms import IMAGE_LOAD_ERRORS, get_crop_offsets, pil_to_tensor
+from impasto.data.transforms import (
+    IMAGE_LOAD_ERRORS,
+    get_crop_offsets,
+    pil_to_tensor,
+    resized_size,
+)
 
 Bucket = tuple[int, int]
 """``(height, width)`` of a bucket, in pixels."""
@@ -131,6 +136,7 @@ class BucketCrop:
             fed to the model, i.e. in the flipped resized image when ``flip`` is set.
         target_size: the bucket ``(height, width)``.
         flip: whether the image is flipped horizontally.
+        resample: the resize filter, "lanczos" (buckets) or "bilinear" (squares).
     """
 
     original_size: Bucket
@@ -138,6 +144,7 @@ class BucketCrop:
     crop_top_left: Bucket
     target_size: Bucket
     flip: bool
+    resample: str = "lanczos"
 
     @property
     def add_time_ids(self) -> tuple[int, int, int, int, int, int]:
@@ -203,8 +210,66 @@ def bucket_transform_params(
     )
 
 
+RESAMPLE = {"lanczos": Image.Resampling.LANCZOS, "bilinear": Image.Resampling.BILINEAR}
+
+
+def square_transform_params(
+    height: int, width: int, resolution: int, crop: str, flip: bool, generator: torch.Generator
+) -> BucketCrop:
+    """The parameters :func:`~impasto.data.transforms.resize_and_crop` uses, from the same
+    draws (the flip coin first, always; then a random crop's top, left), without the pixels."""
+    crop_offsets = get_crop_offsets(crop)
+    resize_to = resized_size(height, width, resolution)
+    flipped = bool(torch.rand((), generator=generator) < 0.5) and flip
+    top, left = crop_offsets(*resize_to, resolution, resolution, generator)
+    return BucketCrop(
+        (height, width), resize_to, (top, left), (resolution, resolution), flipped, "bilinear"
+    )
+
+
+@dataclass(frozen=True)
+class ImageTransform:
+    """How a run turns each image into a training image: a ``resolution`` square
+    (:func:`square_transform_params`) or its aspect bucket (:func:`bucket_transform_params`)."""
+
+    resolution: int
+    crop: str
+    random_flip: bool
+    bucketed: bool
+
+    def params(
+        self, height: int, width: int, bucket: Bucket | None, generator: torch.Generator
+    ) -> BucketCrop:
+        """This image's resize, crop and flip, drawn from ``generator``."""
+        if not self.bucketed:
+            return square_transform_params(
+                height, width, self.resolution, self.crop, self.random_flip, generator
+            )
+        if bucket is None:
+            raise ValueError("data: an image without a bucket has no transform; skip it")
+        flip = self.random_flip
+        return bucket_transform_params(height, width, bucket, self.crop, flip, generator)
+
+    def every_params(self, height: int, width: int, bucket: Bucket | None) -> list[BucketCrop]:
+        """Every outcome :meth:`params` can draw: unflipped (and flipped with random_flip).
+
+        Only a center crop has a small set of outcomes (what a cache can hold)."""
+        if self.crop != "center":
+            raise ValueError("data: a random crop has too many outcomes to list; use center")
+        unflipped = replace(
+            self.params(height, width, bucket, torch.Generator().manual_seed(0)), flip=False
+        )
+        if not self.random_flip:
+            return [unflipped]
+        top, left = unflipped.crop_top_left
+        if self.bucketed:  # offsets are mirrored (bucket_transform_params)
+            left = unflipped.resize_to[1] - left - unflipped.target_size[1]
+        return [unflipped, replace(unflipped, flip=True, crop_top_left=(top, left))]
+
+
 def apply_bucket_transform(image: Image.Image, params: BucketCrop) -> torch.Tensor:
-    """Resize (PIL Lanczos), flip, crop: float32 ``[3, bh, bw]`` in ``[-1, 1]``.
+    """Resize (PIL Lanczos, or ``params.resample``), flip, crop: float32 ``[3, bh, bw]`` in
+    ``[-1, 1]``.
 
     Lanczos is a windowed sinc that antialiases when downscaling, which is most images at
     SDXL sizes; SimpleTuner resizes with it too. The flip is applied to the resized image
@@ -217,7 +282,7 @@ def apply_bucket_transform(image: Image.Image, params: BucketCrop) -> torch.Tens
             f"made for {params.original_size[0]}x{params.original_size[1]}"
         )
     resized_h, resized_w = params.resize_to
-    resized = rgb.resize((resized_w, resized_h), resample=Image.Resampling.LANCZOS)
+    resized = rgb.resize((resized_w, resized_h), resample=RESAMPLE[params.resample])
     if params.flip:
         resized = resized.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     top, left = params.crop_top_left

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from impasto.data.seeding import derive_seed
+
+CAPTION_STREAM = 7_361  # separates caption-variant seeds from (seed, epoch, index) ones
+
 
 def split_tags(caption: str, separator: str = ",") -> list[str]:
     """The non-empty, stripped tags of ``caption``."""
@@ -41,6 +45,17 @@ class CaptionTools:
     @property
     def active(self) -> bool:
         return self.shuffle or self.tag_dropout > 0 or bool(self.prefix or self.suffix)
+
+    @property
+    def random(self) -> bool:
+        """Whether one caption can come out in several ways (shuffle or tag dropout)."""
+        return self.shuffle or self.tag_dropout > 0
+
+    def variant(self, caption: str, seed: int, variant: int, index: int) -> str:
+        """Variant ``variant`` of record ``index``'s caption: what a text cache holds when
+        captions are augmented (``cache.caption_variants``), drawn from its own stream."""
+        stream = torch.Generator().manual_seed(derive_seed(seed, CAPTION_STREAM, variant, index))
+        return self.apply(caption, stream)
 
     def apply(self, caption: str, generator: torch.Generator) -> str:
         """The augmented caption; draws (shuffle, then dropout) only for the enabled tools."""

@@ -12,15 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
-from impasto.data.buckets import apply_bucket_transform, bucket_transform_params
+from impasto.data.buckets import ImageTransform, apply_bucket_transform
+from impasto.data.cache import CachedEncodings
 from impasto.data.captions import CaptionTools
 from impasto.data.folder import ImageRecord
 from impasto.data.sampler import BatchPosition
 from impasto.data.seeding import derive_seed
-from impasto.data.transforms import IMAGE_LOAD_ERRORS, get_crop_offsets, resize_and_crop
+from impasto.data.transforms import IMAGE_LOAD_ERRORS, get_crop_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ class Example:
     """One preprocessed image and its SDXL micro-conditioning.
 
     Attributes:
-        pixel_values: float32 ``[3, R, R]`` in ``[-1, 1]``.
+        pixel_values: float32 ``[3, R, R]`` in ``[-1, 1]``; None when the latents came from
+            the cache.
         caption: the caption text ("" for none).
         original_size: ``(height, width)`` of the file before resizing.
         crop_top_left: ``(top, left)`` of the crop in the resized image.
@@ -38,9 +39,12 @@ class Example:
         epoch: epoch the example was drawn for (it fixes the augmentation).
         position: the batch the example belongs to, when the key carried it.
         loss_weight: this example's loss weight, or None (weight 1).
+        target_size: ``(height, width)`` of the training image (the square or the bucket).
+        latent_mean, latent_std: the VAE posterior ``[C, h, w]`` from the cache, or None.
+        prompt_embeds, pooled_prompt_embeds: the caption's encoding from the cache, or None.
     """
 
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | None
     caption: str
     original_size: tuple[int, int]
     crop_top_left: tuple[int, int]
@@ -48,6 +52,11 @@ class Example:
     epoch: int = 0
     position: BatchPosition | None = None
     loss_weight: float | None = None
+    target_size: tuple[int, int] | None = None
+    latent_mean: torch.Tensor | None = None
+    latent_std: torch.Tensor | None = None
+    prompt_embeds: torch.Tensor | None = None
+    pooled_prompt_embeds: torch.Tensor | None = None
 
 
 class ImageCaptionDataset(Dataset):
@@ -70,6 +79,11 @@ class ImageCaptionDataset(Dataset):
             of a ``resolution`` square.
         caption_tools: tag shuffle / dropout / prefix (:mod:`impasto.data.captions`).
         loss_weights: each record's loss weight (e.g. tag frequency), carried to the batch.
+        cache: encodings from the on-disk cache (:mod:`impasto.data.cache`). With cached
+            latents no image is decoded: the transform is drawn from the stored image size
+            exactly as it would be from the pixels, and a missing or mismatched entry is
+            skipped like an unreadable image. With cached text, each example carries its
+            caption's encoding (a caption missing from the cache is encoded on the fly).
     """
 
     def __init__(
@@ -83,6 +97,7 @@ class ImageCaptionDataset(Dataset):
         bucket_of: Sequence[tuple[int, int] | None] | None = None,
         caption_tools: CaptionTools | None = None,
         loss_weights: Sequence[float] | None = None,
+        cache: CachedEncodings | None = None,
     ) -> None:
         if not records:
             raise ValueError("data: the record list is empty; point the dataset at some images")
@@ -98,54 +113,72 @@ class ImageCaptionDataset(Dataset):
             raise ValueError(f"data.caption_dropout: must be in [0, 1], got {caption_dropout}")
         self.caption_dropout = caption_dropout
         self.bucket_of = None if bucket_of is None else list(bucket_of)
+        self.transform = ImageTransform(resolution, crop, random_flip, bucket_of is not None)
         self.caption_tools = caption_tools or CaptionTools()
         self.loss_weights = None if loss_weights is None else list(loss_weights)
+        self.cache = cache
+        text_cached = cache is not None and cache.text_fingerprint is not None
+        random_captions = text_cached and self.caption_tools.random
+        self.caption_variants = cache.caption_variants if random_captions else 0
 
     def __len__(self) -> int:
         return len(self.records)
-
-    def _transform(
-        self, image: Image.Image, index: int, generator: torch.Generator
-    ) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
-        """(pixels, original_size, crop_top_left): a square, or the record's bucket."""
-        if self.bucket_of is None:
-            return resize_and_crop(image, self.resolution, self.crop, self.random_flip, generator)
-        bucket = self.bucket_of[index]
-        if bucket is None:
-            raise ValueError(f"data: record {index} has no bucket; the sampler must skip it")
-        params = bucket_transform_params(
-            image.height, image.width, bucket, self.crop, self.random_flip, generator
-        )
-        return apply_bucket_transform(image, params), params.original_size, params.crop_top_left
 
     def __getitem__(self, key: tuple[int, ...]) -> Example | None:
         epoch, index = int(key[0]), int(key[1])
         position = BatchPosition(int(key[2]), int(key[3])) if len(key) > 3 else None
         record = self.records[index]
         generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index))
-        try:
-            with record.open_image() as image:
-                # Image.open only reads the header; load() decodes, so a truncated file fails here.
-                image.load()
-                pixel_values, original_size, crop_top_left = self._transform(
-                    image, index, generator
-                )
-        except IMAGE_LOAD_ERRORS as error:
-            logger.warning("data: skipping unreadable image %s (%s)", record.image_path, error)
-            return None
-        # Drawn after the crop, so the dropout setting never changes the augmentation.
-        dropped = torch.rand((), generator=generator).item() < self.caption_dropout
-        caption = "" if dropped else self.caption_tools.apply(record.caption, generator)
+        bucket = None if self.bucket_of is None else self.bucket_of[index]
+        pixel_values, posterior = None, None
+        if self.cache is not None and self.cache.vae_fingerprint is not None:
+            image_id = self.cache.image_ids[index]
+            size = (image_id.height, image_id.width) if image_id else (1, 1)
+            params = self.transform.params(*size, bucket, generator)
+            posterior = self.cache.posterior(index, params)
+            if isinstance(posterior, str):
+                logger.warning("data: skipping %s: %s", record.image_path, posterior)
+                return None
+        else:
+            try:
+                with record.open_image() as image:
+                    # Image.open reads only the header; load() decodes (a truncated file fails).
+                    image.load()
+                    params = self.transform.params(image.height, image.width, bucket, generator)
+                    pixel_values = apply_bucket_transform(image, params)
+            except IMAGE_LOAD_ERRORS as error:
+                logger.warning("data: skipping unreadable image %s (%s)", record.image_path, error)
+                return None
+        caption = self.caption(record.caption, epoch, index, generator)
+        prompt = None
+        if self.cache is not None and self.cache.text_fingerprint is not None:
+            prompt = self.cache.prompt(caption)
         return Example(
             pixel_values=pixel_values,
             caption=caption,
-            original_size=original_size,
-            crop_top_left=crop_top_left,
+            original_size=params.original_size,
+            crop_top_left=params.crop_top_left,
             index=index,
             epoch=epoch,
             position=position,
             loss_weight=None if self.loss_weights is None else self.loss_weights[index],
+            target_size=params.target_size,
+            latent_mean=None if posterior is None else posterior[0],
+            latent_std=None if posterior is None else posterior[1],
+            prompt_embeds=None if prompt is None else prompt[0],
+            pooled_prompt_embeds=None if prompt is None else prompt[1],
         )
+
+    def caption(self, caption: str, epoch: int, index: int, generator: torch.Generator) -> str:
+        """The caption record ``index`` trains with in ``epoch``: dropped (drawn after the
+        transform, so the dropout setting never changes the augmentation), else augmented by
+        the caption tools; with cached text and random tools, variant ``epoch % variants``."""
+        if torch.rand((), generator=generator).item() < self.caption_dropout:
+            return ""
+        if self.caption_variants:
+            variant = epoch % self.caption_variants
+            return self.caption_tools.variant(caption, self.seed, variant, index)
+        return self.caption_tools.apply(caption, generator)
 
 
 @dataclass
@@ -153,7 +186,8 @@ class Batch:
     """A collated batch of ``B`` good examples (bad files already dropped).
 
     Attributes:
-        pixel_values: float32 ``[B, 3, R, R]`` (or the bucket's ``[B, 3, H, W]``) in ``[-1, 1]``.
+        pixel_values: float32 ``[B, 3, R, R]`` (or the bucket's ``[B, 3, H, W]``) in ``[-1, 1]``;
+            None when the latents came from the cache.
         captions: ``B`` caption strings.
         original_sizes: int64 ``[B, 2]`` of ``(height, width)`` before resizing.
         crop_top_lefts: int64 ``[B, 2]`` of ``(top, left)``.
@@ -164,9 +198,11 @@ class Batch:
             trainer's ``advance()`` for it. ``None`` if the keys had no batch position.
         loss_weights: float32 ``[B]`` per-sample loss weights (e.g. tag frequency), or ``None``.
         loss_masks: float32 ``[B, 1, R, R]`` in [0, 1] (where the loss counts), or ``None``.
+        latent_mean, latent_std: cached VAE posteriors ``[B, C, h, w]`` (storage dtype), or None.
+        prompt_embeds, pooled_prompt_embeds: cached text encodings, or None (encode on the fly).
     """
 
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | None
     captions: list[str]
     original_sizes: torch.Tensor
     crop_top_lefts: torch.Tensor
@@ -176,6 +212,10 @@ class Batch:
     position: BatchPosition | None = None
     loss_weights: torch.Tensor | None = None
     loss_masks: torch.Tensor | None = None
+    latent_mean: torch.Tensor | None = None
+    latent_std: torch.Tensor | None = None
+    prompt_embeds: torch.Tensor | None = None
+    pooled_prompt_embeds: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -201,6 +241,12 @@ class Batch:
         return replace(self, **pinned)
 
 
+def _stack(examples: Sequence[Example], name: str) -> torch.Tensor | None:
+    """The examples' ``name`` tensors stacked, or None unless every example has one."""
+    values = [getattr(example, name) for example in examples]
+    return None if any(value is None for value in values) else torch.stack(values)
+
+
 def _loss_weights(examples: Sequence[Example]) -> torch.Tensor | None:
     weights = [example.loss_weight for example in examples]
     if all(weight is None for weight in weights):
@@ -218,17 +264,22 @@ def collate_examples(examples: Sequence[Example | None]) -> Batch | None:
     num_bad = len(examples) - len(good)
     if not good:
         return None
-    target_size = tuple(good[0].pixel_values.shape[-2:])  # (H, W): a square or a bucket
+    target_sizes = {example.target_size for example in good}
+    assert len(target_sizes) == 1, f"examples of different sizes collated together: {target_sizes}"
     positions = {example.position for example in good}
     assert len(positions) == 1, f"examples from different batches collated together: {positions}"
     return Batch(
-        pixel_values=torch.stack([example.pixel_values for example in good]),
+        pixel_values=_stack(good, "pixel_values"),
         captions=[example.caption for example in good],
         original_sizes=torch.tensor([example.original_size for example in good], dtype=torch.long),
         crop_top_lefts=torch.tensor([example.crop_top_left for example in good], dtype=torch.long),
-        target_sizes=torch.tensor([target_size] * len(good), dtype=torch.long),
+        target_sizes=torch.tensor([target_sizes.pop()] * len(good), dtype=torch.long),
         indices=torch.tensor([example.index for example in good], dtype=torch.long),
         num_bad=num_bad,
         position=positions.pop(),
         loss_weights=_loss_weights(good),
+        latent_mean=_stack(good, "latent_mean"),
+        latent_std=_stack(good, "latent_std"),
+        prompt_embeds=_stack(good, "prompt_embeds"),
+        pooled_prompt_embeds=_stack(good, "pooled_prompt_embeds"),
     )

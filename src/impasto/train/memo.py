@@ -3,8 +3,8 @@
 ``cache.latents: memory`` and ``cache.text_embeddings: memory``. Entries live on the CPU and
 move to the encoders' device per batch. Each item is encoded on its
 own (a batch of one), so its value depends only on its key, not on the batch it first came in:
-a resumed run, which starts with an empty memo, gets bitwise the same encodings. Issue #6 adds
-the on-disk, content-addressed cache.
+a resumed run, which starts with an empty memo, gets bitwise the same encodings. Batches from
+the on-disk cache (``disk``, :mod:`impasto.data.cache`) carry their encodings already.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class EncodingMemo:
     def posterior(self, models: SDXLComponents, batch: Batch) -> tuple[Tensor, Tensor]:
         """The VAE posterior's mean and std ``[B, C, h, w]`` of the batch's images."""
         vae = models.vae
+        if batch.latent_mean is not None:  # from the disk cache
+            return batch.latent_mean.to(vae.device).float(), batch.latent_std.to(vae.device).float()
         if not self.latents:
             posterior = vae.encode(batch.pixel_values.to(vae.device, vae.dtype)).latent_dist
             return posterior.mean, posterior.std
@@ -53,8 +55,13 @@ class EncodingMemo:
         models: SDXLComponents,
         captions: list[str],
         autocast: Callable[[], AbstractContextManager],
+        cached: tuple[Tensor, Tensor] | None = None,
     ) -> PromptEmbeds:
-        """SDXL text conditioning of ``captions`` (see :func:`impasto.models.encode_prompts`)."""
+        """SDXL text conditioning of ``captions`` (see :func:`impasto.models.encode_prompts`);
+        the batch's cached encodings (``cached``) when it has them."""
+        if cached is not None:
+            device, dtype = models.text_encoder_2.device, models.text_encoder_2.dtype
+            return PromptEmbeds(cached[0].to(device, dtype), cached[1].to(device, dtype))
         if not self.text_embeddings:
             with autocast():
                 return encode_prompts(models, captions)

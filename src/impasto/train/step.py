@@ -53,8 +53,11 @@ def training_step(
             batch.original_sizes, batch.crop_top_lefts, batch.target_sizes, dtype=torch.float32
         ).to(device)
 
+    cached = None
+    if batch.prompt_embeds is not None:
+        cached = (batch.prompt_embeds, batch.pooled_prompt_embeds)
     with torch.set_grad_enabled(train_text):
-        prompts = memo.prompts(models, batch.captions, autocast)
+        prompts = memo.prompts(models, batch.captions, autocast, cached)
     noise = torch.randn(latents.shape, generator=generator).to(device)
     height, width = (int(size) for size in batch.target_sizes[0])
     times = objective.sample_times(latents.shape[0], generator, device, (height, width))

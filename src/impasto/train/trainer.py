@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,12 +22,15 @@ from impasto.data import (
     training_sampler,
 )
 from impasto.data.buckets import assign_image_buckets
+from impasto.data.cache import CachedEncodings
 from impasto.data.captions import tag_frequency_weights
 from impasto.data.demo import write_demo_dataset
 from impasto.data.folder import read_manifest
+from impasto.distributed import process_group
 from impasto.logging import MetricsLogger
 from impasto.models import load_model
 from impasto.objectives.objective import Objective
+from impasto.train.disk_cache import CacheReport, fill_cache, identify_images
 from impasto.train.memo import EncodingMemo
 from impasto.train.optim import OPTIMIZERS, lr_multiplier, set_lr
 from impasto.train.parts import (
@@ -71,12 +75,13 @@ class Trainer:
         self.config = config
         self.run_dir = prepare_run_dir(config, resume)
         device = resolve_device(config.train.device)
-        self.autocast = autocast_factory(
-            device, resolve_precision(config.train.mixed_precision, device)
-        )
+        precision = resolve_precision(config.train.mixed_precision, device)
+        self.autocast = autocast_factory(device, precision)
         torch.manual_seed(config.train.seed)
 
-        self.records = load_records(config)
+        self.records, image_ids = load_records(config), None
+        if config.cache.on_disk:
+            self.records, image_ids, _ = identify_images(config, self.records)
         self.bucket_of = place_in_buckets(config, self.records, self.run_dir)
         self.total_steps = count_total_steps(config, len(self.records), self.bucket_of)
         self.models = load_model(config)
@@ -86,6 +91,13 @@ class Trainer:
             print(f"impasto: started {count} LoRA layers from {config.lora.init_from}")
         set_train_mode(self.trainable, self.models)
         self.models.to(device)
+        self.encodings = None
+        if config.cache.on_disk:
+            self.encodings, cache_report = fill_cache(
+                config, self.models, self.records, image_ids, self.bucket_of, self.autocast,
+                str(precision),
+            )  # fmt: skip
+            print(f"impasto: {cache_report.format()}")
         self.train_text = trains_text_encoders(config)
         groups = param_groups(self.trainable)
         self.params = [param for group in groups for param in group["params"]]
@@ -108,6 +120,7 @@ class Trainer:
             (self.state.epoch, self.state.batch_in_epoch),
             self.bucket_of,
             record_loss_weights(config, self.records),
+            self.encodings,
         )
 
     def run(self) -> TrainResult:
@@ -258,21 +271,47 @@ def load_records(config: Config) -> list[ImageRecord]:
 
 
 def place_in_buckets(
-    config: Config, records: list[ImageRecord], run_dir: Path
+    config: Config, records: list[ImageRecord], run_dir: Path | None
 ) -> list[tuple[int, int] | None] | None:
     """Each record's aspect bucket (``data.buckets``), or None for square images.
 
     The bucket report (images per bucket, and every image that could not be placed with the
-    reason) is printed and saved to ``RUN/buckets.txt`` before training.
+    reason) is printed and saved to ``RUN/buckets.txt`` (with a ``run_dir``) before training.
     """
     buckets = config.data.bucket_list()
     if buckets is None:
         return None
     bucket_of, bucket_report = assign_image_buckets(records, buckets, config.data.bucket_no_upscale)
     text = bucket_report.format()
-    (run_dir / "buckets.txt").write_text(text + "\n", encoding="utf-8")
-    print(f"impasto: aspect buckets ({run_dir / 'buckets.txt'}):\n{text}")
+    if run_dir is not None:
+        (run_dir / "buckets.txt").write_text(text + "\n", encoding="utf-8")
+    print(f"impasto: aspect buckets ({run_dir / 'buckets.txt' if run_dir else 'not saved'}):")
+    print(text)
     return bucket_of
+
+
+def cache_data(config: Config) -> CacheReport:
+    """``impasto cache``: fill the disk cache for ``config``'s data, split across the ranks of a
+    torchrun job (each process encodes its share on its own device)."""
+    if not config.cache.on_disk:
+        raise ValueError(
+            "cache: nothing to do; set cache.latents and/or cache.text_embeddings to disk"
+        )
+    with process_group() as (rank, world):
+        device = resolve_device(config.train.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        precision = resolve_precision(config.train.mixed_precision, device)
+        records, image_ids, _ = identify_images(config, load_records(config), rank, world)
+        bucket_of = place_in_buckets(config, records, None)
+        models = load_model(config).to(device)
+        for module in (models.vae, models.text_encoder, models.text_encoder_2):
+            module.eval()
+        _, report = fill_cache(
+            config, models, records, image_ids, bucket_of,
+            autocast_factory(device, precision), str(precision), rank, world,
+        )  # fmt: skip
+    return report
 
 
 def record_loss_weights(config: Config, records: list[ImageRecord]) -> list[float] | None:
@@ -313,6 +352,7 @@ def micro_batches(
     start: tuple[int, int],
     bucket_of: list[tuple[int, int] | None] | None = None,
     loss_weights: list[float] | None = None,
+    cache: CachedEncodings | None = None,
 ) -> MicroBatches:
     """Batches in the exact resumable order, each with the position *after* consuming it."""
     epoch, first = start
@@ -330,6 +370,7 @@ def micro_batches(
             bucket_of=bucket_of,
             caption_tools=config.data.caption_tools(),
             loss_weights=loss_weights,
+            cache=cache,
         )
         position = sampler.position
         for batch in loader:

@@ -1,0 +1,335 @@
+"""A content-addressed, on-disk cache of VAE posteriors and text-encoder outputs.
+
+An entry's key is a hash of everything its value depends on, so a changed input can never
+return a stale value, and an unchanged one is never encoded twice:
+
+- latents: the image's content (sha256 of its bytes), the VAE's weights fingerprint and dtype,
+  and every transform parameter (original size, resize, crop offsets, flip, target size,
+  filter); the value is the posterior's mean and std (training draws the latent, as on the fly);
+- text: the caption text after the caption tools, and the fingerprint of both text encoders,
+  both tokenizers and the precision they ran in; the value is SDXL's prompt embeddings and the
+  pooled embedding.
+
+Layout of the cache folder (``cache.dir``)::
+
+    shards/latents-<stamp>-r<rank>-<uuid>.safetensors   "<key>.mean", "<key>.std"
+    shards/text-<stamp>-r<rank>-<uuid>.safetensors      "<key>.embeds", "<key>.pooled"
+    images/ids-<stamp>-r<rank>-<uuid>.jsonl              content ids by file stat
+
+Shards are immutable: written to a hidden temporary file, flushed to disk, then renamed into
+place, so a crash leaves no half-written shard under a shard's name, and any number of ranks can
+read them while others add new ones. A shard that does not open (truncated, overwritten) is
+renamed ``*.corrupt`` and its entries count as missing, so the next fill encodes them again.
+
+Hashing every image at every start would read the whole dataset, so content ids are memoised
+by ``(path, size, mtime_ns)`` (a record read through a ``blob`` by the blob's identity): a file
+that changes gets a new id, hence new keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from impasto.data.buckets import BucketCrop
+from impasto.data.folder import ImageRecord
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+"""Part of every key: raise it when what an entry means changes."""
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def fingerprint(*parts: torch.nn.Module | object) -> str:
+    """sha256 of modules' weights (name, dtype, shape, bytes) and of other parts' ``repr``."""
+    digest = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, torch.nn.Module):
+            for name, tensor in sorted(part.state_dict().items()):
+                tensor = tensor.detach().cpu().contiguous()
+                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+                digest.update(tensor.view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(part).encode())
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What a CLIP tokenizer's output depends on: vocabulary, merges, length and pad token."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    merges = getattr(tokenizer, "bpe_ranks", {})
+    settings = (tokenizer.model_max_length, tokenizer.pad_token, tokenizer.__class__.__name__)
+    return fingerprint(vocab, sorted(merges.items()), settings)
+
+
+def _hash(*parts: object) -> str:
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:40]
+
+
+@dataclass(frozen=True)
+class ImageId:
+    """An image's content hash (sha256 of its file bytes) and its ``(height, width)``."""
+
+    sha256: str
+    height: int
+    width: int
+
+
+def latent_key(image: ImageId, params: BucketCrop, vae_fingerprint: str, dtype: str) -> str:
+    """The key of one image's posterior under one transform."""
+    return _hash(
+        "latents", CACHE_VERSION, image.sha256, vae_fingerprint, dtype, params.original_size,
+        params.resize_to, params.crop_top_left, params.target_size, params.flip, params.resample,
+    )  # fmt: skip
+
+
+def text_key(caption: str, text_fingerprint: str, dtype: str) -> str:
+    """The key of one caption's SDXL text conditioning."""
+    return _hash("text", CACHE_VERSION, text_fingerprint, dtype, caption)
+
+
+def record_identity(record: ImageRecord) -> str:
+    """What says a record's bytes are unchanged: the file's stat, or the blob's identity."""
+    if record.blob is not None:
+        return f"blob|{record.blob!r}"
+    path = Path(record.image_path)
+    stat = path.stat()
+    return f"file|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def compute_image_id(record: ImageRecord) -> ImageId:
+    """Read the image's bytes: their sha256, and the size from the header.
+
+    Raises the errors of :data:`~impasto.data.transforms.IMAGE_LOAD_ERRORS` when unreadable.
+    """
+    data = record.read_bytes()
+    if not data:
+        raise ValueError("zero-size file")
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+    return ImageId(hashlib.sha256(data).hexdigest(), height, width)
+
+
+def _write_atomically(path: Path, write) -> None:
+    """``write(tmp_path)``, flush to disk, then rename to ``path`` (a reader sees all or none)."""
+    tmp = path.with_name(f".tmp-{path.name}.partial")  # matches no reader's pattern
+    write(tmp)
+    with open(tmp, "rb+") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _stamped_name(prefix: str, rank: int, suffix: str) -> str:
+    return f"{prefix}-{time.strftime('%Y%m%d%H%M%S')}-r{rank}-{uuid.uuid4().hex[:8]}{suffix}"
+
+
+class ImageIds:
+    """Memoised content ids of images (``images/*.jsonl`` in the cache folder)."""
+
+    def __init__(self, root: Path) -> None:
+        self.folder = Path(root) / "images"
+        self.known: dict[str, ImageId] = {}
+        self.new: dict[str, ImageId] = {}
+        for path in sorted(self.folder.glob("ids-*.jsonl")):
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                    self.known[row["identity"]] = ImageId(
+                        row["sha256"], row["height"], row["width"]
+                    )
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    logger.warning("cache: ignoring a bad line in %s", path)
+
+    def lookup(self, record: ImageRecord) -> ImageId | None:
+        """The record's id if it was computed before (the file unchanged since), else None."""
+        try:
+            identity = record_identity(record)
+        except OSError:
+            return None
+        return self.known.get(identity) or self.new.get(identity)
+
+    def compute(self, record: ImageRecord) -> ImageId:
+        """Compute (and remember) the record's id; raises when the image is unreadable."""
+        identity = record_identity(record)
+        image_id = compute_image_id(record)
+        self.new[identity] = image_id
+        return image_id
+
+    def save(self, rank: int) -> None:
+        """Write the ids computed since loading (one new file per call)."""
+        if not self.new:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        lines = [
+            json.dumps({"identity": identity, **image_id.__dict__})
+            for identity, image_id in self.new.items()
+        ]
+        path = self.folder / _stamped_name("ids", rank, ".jsonl")
+        _write_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+        self.known.update(self.new)
+        self.new = {}
+
+
+class ShardStore:
+    """The cache's shards: which tensor lives in which file, and reading tensors lazily.
+
+    Opened handles are per process and never pickled, so a store can go to loader workers.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.folder = Path(root) / "shards"
+        self.shards: list[Path] = []
+        self.where: dict[str, int] = {}
+        self.corrupt: list[Path] = []
+        self._handles: dict[int, object] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Index every complete shard (new ones included); set corrupt ones aside."""
+        known = set(self.shards)
+        for path in sorted(self.folder.glob("*.safetensors")):
+            if path in known or path.name.startswith("."):
+                continue
+            try:
+                with safe_open(str(path), "pt") as handle:
+                    names = list(handle.keys())
+            except (SafetensorError, OSError) as error:
+                self._set_aside(path, error)
+                continue
+            number = len(self.shards)
+            self.shards.append(path)
+            for name in names:
+                self.where[name] = number
+
+    def _set_aside(self, path: Path, error: Exception) -> None:
+        logger.warning(
+            "cache: shard %s is damaged (%s); its entries will be re-encoded", path, error
+        )
+        self.corrupt.append(path)
+        try:
+            os.replace(path, path.with_suffix(".corrupt"))
+        except OSError:
+            pass  # another rank moved it first
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> Tensor:
+        """The stored tensor ``name`` (KeyError if absent)."""
+        number = self.where[name]
+        handle = self._handles.get(number)
+        if handle is None:
+            handle = self._handles[number] = safe_open(str(self.shards[number]), "pt")
+        return handle.get_tensor(name)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_handles": {}}
+
+
+class ShardWriter:
+    """Collects tensors and writes them as immutable shards of about ``max_bytes``."""
+
+    def __init__(self, root: Path, kind: str, rank: int, max_bytes: int) -> None:
+        self.folder = Path(root) / "shards"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.kind, self.rank, self.max_bytes = kind, rank, max_bytes
+        self.pending: dict[str, Tensor] = {}
+        self.pending_bytes = 0
+        self.written: list[Path] = []
+        for stale in self.folder.glob(f".tmp-{kind}-*-r{rank}-*.partial"):
+            stale.unlink(missing_ok=True)  # this rank's leftovers from a crash
+
+    def add(self, tensors: dict[str, Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self.pending[name] = tensor.detach().cpu().contiguous()
+            self.pending_bytes += tensor.numel() * tensor.element_size()
+        if self.pending_bytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.folder / _stamped_name(self.kind, self.rank, ".safetensors")
+        pending = self.pending
+        _write_atomically(path, lambda tmp: save_file(pending, str(tmp)))
+        self.written.append(path)
+        self.pending, self.pending_bytes = {}, 0
+
+
+@dataclass
+class CachedEncodings:
+    """What a dataset needs to read encodings from the cache.
+
+    Attributes:
+        store: the shards.
+        image_ids: each record's content id (None: unreadable when the cache was filled).
+        vae_fingerprint: set when latents are cached.
+        text_fingerprint: set when text embeddings are cached.
+        dtype: the storage dtype name.
+        caption_variants: with text cached and random caption tools, epoch ``e`` uses variant
+            ``e % caption_variants`` of each caption (the variants the fill encoded).
+        latent_channels: the VAE's latent channels (to catch mismatched entries).
+        downsample: the VAE's spatial downsampling (8 for SDXL).
+    """
+
+    store: ShardStore
+    image_ids: list[ImageId | None]
+    vae_fingerprint: str | None
+    text_fingerprint: str | None
+    dtype: str
+    caption_variants: int = 1
+    latent_channels: int = 4
+    downsample: int = 8
+
+    def posterior(self, index: int, params: BucketCrop) -> tuple[Tensor, Tensor] | str:
+        """``(mean, std)`` of record ``index`` under ``params``, or why there is none."""
+        image_id = self.image_ids[index]
+        if image_id is None:
+            return "unreadable when the cache was filled"
+        key = latent_key(image_id, params, self.vae_fingerprint, self.dtype)
+        try:
+            mean, std = self.store.get(f"{key}.mean"), self.store.get(f"{key}.std")
+        except KeyError:
+            return "not in the cache (run `impasto cache CONFIG`)"
+        except (SafetensorError, OSError) as error:
+            return f"cache shard unreadable ({error})"
+        height, width = params.target_size
+        factor = self.downsample
+        expected = (self.latent_channels, height // factor, width // factor)
+        if tuple(mean.shape) != expected or mean.shape != std.shape:
+            return f"cache entry has shape {tuple(mean.shape)}, expected {expected}"
+        return mean, std
+
+    def prompt(self, caption: str) -> tuple[Tensor, Tensor] | None:
+        """``(prompt_embeds [77, D], pooled [P])`` of ``caption``, or None if not cached."""
+        key = text_key(caption, self.text_fingerprint, self.dtype)
+        try:
+            return self.store.get(f"{key}.embeds"), self.store.get(f"{key}.pooled")
+        except (KeyError, SafetensorError, OSError):
+            return None
+
+
+def missing_names(store: ShardStore, keys: Iterable[str], suffix: str) -> list[str]:
+    """The keys (in order, without repeats) whose ``<key><suffix>`` tensor is not stored."""
+    return [key for key in dict.fromkeys(keys) if f"{key}{suffix}" not in store]
+
+
+def split_for_rank(items: Sequence, rank: int, world_size: int) -> list:
+    """Rank ``rank``'s share of ``items``: every ``world_size``-th, from ``rank``."""
+    return list(items[rank::world_size])
