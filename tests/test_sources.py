@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import tarfile
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from impasto.config import build_config
 from impasto.data import read_caption, read_manifest, scan_image_folder
-from impasto.train.trainer import Trainer, record_loss_weights
+from impasto.train.trainer import Trainer, load_records, record_loss_weights
 
 
 @pytest.fixture
@@ -92,4 +96,88 @@ def test_a_manifest_run_carries_row_weights_into_batches(images, tiny_raw, tmp_p
 def test_subfolders_need_a_folder_source(tiny_raw):
     tiny_raw["data"].update(source="manifest", subfolders={"a": {"repeats": 2}})
     with pytest.raises(ValueError, match="subfolders: repeats and weights apply to source: folder"):
+        build_config(tiny_raw)
+
+
+def write_shard(path: Path, images: list[Path], captions: list[str]) -> None:
+    """A webdataset tar: ``NNN.png`` + ``NNN.txt`` per image."""
+    with tarfile.open(path, "w") as tar:
+        for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
+            for name, data in ((f"{i:03d}.png", image.read_bytes()), (f"{i:03d}.txt", caption)):
+                data = data.encode() if isinstance(data, str) else data
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def test_mixed_sources_with_repeats_and_weights_train(images, tiny_raw, tmp_path):
+    from datasets import Dataset
+    from datasets import Image as HFImage
+
+    for i, image in enumerate(images[:2]):
+        image.with_suffix(".txt").write_text(f"folder {i}")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_shard(shards / "s-0.tar", images[:2], ["shard a", "shard b"])
+    write_shard(shards / "s-1.tar", images[2:3], ["shard c"])
+    parquet = tmp_path / "rows.parquet"
+    rows = {"image": [str(images[3])], "caption": ["parquet row"], "weight": [3.0]}
+    pq.write_table(pa.table(rows), parquet)
+    hf = tmp_path / "hf"
+    table = {"image": [str(images[0])], "text": ["hf row"]}
+    Dataset.from_dict(table).cast_column("image", HFImage()).save_to_disk(str(hf))
+    sources = [
+        {"source": "folder", "path": str(images[0].parent), "repeats": 2},
+        {"source": "webdataset", "path": str(shards / "s-{0..1}.tar"), "loss_weight": 0.5},
+        {"source": "manifest", "path": str(parquet)},
+        {"source": "hf", "path": str(hf), "split": None},
+    ]
+    del tiny_raw["data"]["path"]
+    tiny_raw["data"].update(
+        sources=sources,
+        index_dir=str(tmp_path / "index"),
+        buckets="generated",
+        max_bad_fraction=0.5,
+    )
+    tiny_raw["train"]["max_steps"] = 2
+    config = build_config(tiny_raw)
+    trainer = Trainer(config, resume=False)
+    got = [(r.caption, r.weight) for r in trainer.records]
+    assert got == [
+        ("folder 0", 1.0),
+        ("folder 0", 1.0),
+        ("folder 1", 1.0),
+        ("folder 1", 1.0),
+        ("shard a", 0.5),
+        ("shard b", 0.5),
+        ("shard c", 0.5),
+        ("parquet row", 3.0),
+        ("hf row", 1.0),
+    ]  # fmt: skip; images 2 and 3 of the folder have no caption: left out
+    assert trainer.records[4].read_bytes() == images[0].read_bytes()
+    assert trainer.records[-1].read_bytes() == images[0].read_bytes()
+    assert trainer.bucket_of == [(64, 64)] * 9
+    result = trainer.run()
+    assert result.state.step == 2 and result.state.images_bad == 0
+
+
+def test_images_without_captions_are_left_out_counted_and_named(images, tiny_raw, capsys):
+    for image in images[:3]:
+        image.with_suffix(".txt").write_text(f"caption of {image.stem}")
+    tiny_raw["data"].update(path=str(images[0].parent), max_bad_fraction=0.3)
+    records = load_records(build_config(tiny_raw))
+    assert [r.image_path for r in records] == images[:3]
+    assert "left out 1 images without a caption: " + str(images[3]) in capsys.readouterr().out
+    tiny_raw["data"]["max_bad_fraction"] = 0.2
+    with pytest.raises(
+        ValueError, match=r"1 images have no caption \(25% of the samples > data.max_bad_fraction"
+    ):
+        load_records(build_config(tiny_raw))
+    tiny_raw["data"]["missing_captions"] = "empty"
+    assert [r.caption for r in load_records(build_config(tiny_raw))][3] == ""
+
+
+def test_path_or_sources_exactly_one(tiny_raw):
+    tiny_raw["data"]["sources"] = [{"path": "x"}]
+    with pytest.raises(ValueError, match="set exactly one of path"):
         build_config(tiny_raw)

@@ -206,13 +206,56 @@ class SubfolderConfig(Section):
     weight: float = Field(1.0, gt=0, description="loss weight of its images")
 
 
-class DataConfig(Section):
-    """Images with captions: a folder (sidecar captions) or a JSONL/CSV manifest."""
+SourceKind = Literal["folder", "manifest", "webdataset", "hf"]
 
-    source: Literal["folder", "manifest"] = "folder"
+
+class SourceConfig(Section):
+    """One source of images and captions; ``data.sources`` lists several to mix."""
+
+    source: SourceKind = Field(
+        "folder",
+        description="folder (sidecar captions), manifest (JSONL/CSV/Parquet file), webdataset "
+        "(tar shard URLs with brace patterns), hf (a local Hugging Face dataset folder)",
+    )
     path: str
+    repeats: int = Field(1, ge=1, description="times each of its images appears per epoch")
+    loss_weight: float = Field(1.0, gt=0, description="loss weight of its images")
     subfolders: dict[str, SubfolderConfig] = Field(
         default_factory=dict, description="folder: top-level subfolder → repeats and weight"
+    )
+    split: str | None = Field("train", description="hf: the split")
+    image_column: str = Field("image", description="hf: the image column")
+    caption_column: str | None = Field("text", description="hf: the caption column (null: none)")
+
+    @model_validator(mode="after")
+    def _subfolders_need_a_folder(self) -> SourceConfig:
+        if self.subfolders and self.source != "folder":
+            raise ValueError(
+                "subfolders: repeats and weights apply to source: folder; give a manifest's "
+                "rows a weight (or list an image twice) instead"
+            )
+        return self
+
+
+class DataConfig(Section):
+    """Images with captions: one source (``source``, ``path``) or several (``sources``)."""
+
+    source: SourceKind = "folder"
+    path: str | None = None
+    subfolders: dict[str, SubfolderConfig] = Field(
+        default_factory=dict, description="folder: top-level subfolder → repeats and weight"
+    )
+    sources: list[SourceConfig] = Field(
+        default_factory=list,
+        description="several sources mixed (each with repeats and loss_weight); instead of path",
+    )
+    index_dir: str | None = Field(
+        None, description="webdataset: where shard indexes live (default ~/.cache/impasto/shards)"
+    )
+    missing_captions: Literal["skip", "empty"] = Field(
+        "skip",
+        description="images without a caption: skip (counted and listed) or train them with "
+        "the empty caption (plus caption_prefix/suffix)",
     )
     generate_demo: bool = Field(
         False, description="write the built-in demo dataset to `path` if it does not exist"
@@ -259,13 +302,20 @@ class DataConfig(Section):
         return value
 
     @model_validator(mode="after")
-    def _subfolders_need_a_folder(self) -> DataConfig:
-        if self.subfolders and self.source != "folder":
-            raise ValueError(
-                "subfolders: repeats and weights apply to source: folder; give a manifest's "
-                "rows a weight (or list an image twice) instead"
-            )
+    def _one_way_to_name_the_data(self) -> DataConfig:
+        if (self.path is None) == (not self.sources):
+            raise ValueError("set exactly one of path (one source) and sources (several)")
+        if self.generate_demo and self.path is None:
+            raise ValueError("generate_demo writes the demo dataset to path; set path")
+        self.source_list()  # a single source's checks now
         return self
+
+    def source_list(self) -> list[SourceConfig]:
+        """The sources: ``sources``, or the one that ``source``, ``path`` and ``subfolders``
+        describe."""
+        if self.sources:
+            return list(self.sources)
+        return [SourceConfig(source=self.source, path=self.path, subfolders=self.subfolders)]
 
     @model_validator(mode="after")
     def _valid_buckets(self) -> DataConfig:

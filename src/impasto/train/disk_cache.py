@@ -9,6 +9,7 @@ ranks wait for each other and read every shard.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -70,11 +71,17 @@ class CacheReport:
 
 
 def cache_dir(config: Config) -> Path:
-    """``cache.dir``, or ``.impasto-cache`` in the data folder (a manifest's folder)."""
+    """``cache.dir``; else ``.impasto-cache`` in the data folder (a manifest's folder) of a
+    single local source, else ``$XDG_CACHE_HOME/impasto/encodings`` (``~/.cache/...``):
+    entries are content-addressed, so datasets and runs can share one cache."""
     if config.cache.dir:
         return Path(config.cache.dir)
-    data = Path(config.data.path)
-    return (data if config.data.source == "folder" else data.parent) / ".impasto-cache"
+    data = config.data
+    if data.path is not None and data.source in ("folder", "manifest"):
+        path = Path(data.path)
+        return (path if data.source == "folder" else path.parent) / ".impasto-cache"
+    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache_home) / "impasto" / "encodings"
 
 
 def vae_fingerprint(models: SDXLComponents) -> str:

@@ -6,13 +6,14 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from impasto.config import Config
+from impasto.config.schema import SourceConfig
 from impasto.data import (
     Batch,
     ImageRecord,
@@ -26,6 +27,7 @@ from impasto.data.cache import CachedEncodings
 from impasto.data.captions import tag_frequency_weights
 from impasto.data.demo import write_demo_dataset
 from impasto.data.folder import read_manifest
+from impasto.data.sources import hf_dataset_records, parquet_records, webdataset_records
 from impasto.distributed import process_group
 from impasto.logging import MetricsLogger
 from impasto.models import load_model
@@ -258,16 +260,70 @@ class Trainer:
 
 
 def load_records(config: Config) -> list[ImageRecord]:
-    path = Path(config.data.path)
-    if config.data.generate_demo and not path.exists():
+    """Every source's records, each repeated ``repeats`` times with its ``loss_weight``, then
+    the images without a caption left out (``data.missing_captions: skip``), counted and named."""
+    data = config.data
+    if data.generate_demo and not Path(data.path).exists():
         count = write_demo_dataset(
-            path, config.data.demo_num_images, config.data.resolution, seed=config.train.seed
+            Path(data.path), data.demo_num_images, data.resolution, seed=config.train.seed
         )
-        print(f"impasto: wrote {count} demo images to {path}")
-    if config.data.source == "manifest":
-        return read_manifest(path)
-    subfolders = {name: (sub.repeats, sub.weight) for name, sub in config.data.subfolders.items()}
-    return scan_image_folder(path, subfolders)
+        print(f"impasto: wrote {count} demo images to {data.path}")
+    records = []
+    for source in data.source_list():
+        found = SOURCE_READERS[source.source](source, shard_index_dir(config))
+        if source.loss_weight != 1.0:
+            found = [replace(record, weight=record.weight * source.loss_weight) for record in found]
+        records.extend(record for record in found for _ in range(source.repeats))
+    if data.missing_captions == "skip":
+        records = skip_uncaptioned(records, data.max_bad_fraction)
+    return records
+
+
+def shard_index_dir(config: Config) -> Path:
+    """``data.index_dir``, or ``$XDG_CACHE_HOME/impasto/shards`` (``~/.cache/...``)."""
+    if config.data.index_dir:
+        return Path(config.data.index_dir)
+    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache_home) / "impasto" / "shards"
+
+
+def _folder_records(source: SourceConfig, index_dir: Path) -> list[ImageRecord]:
+    subfolders = {name: (sub.repeats, sub.weight) for name, sub in source.subfolders.items()}
+    return scan_image_folder(Path(source.path), subfolders)
+
+
+def _manifest_records(source: SourceConfig, index_dir: Path) -> list[ImageRecord]:
+    path = Path(source.path)
+    return parquet_records(path) if path.suffix == ".parquet" else read_manifest(path)
+
+
+SOURCE_READERS = {
+    "folder": _folder_records,
+    "manifest": _manifest_records,
+    "webdataset": lambda source, index_dir: webdataset_records(source.path, index_dir),
+    "hf": lambda source, index_dir: hf_dataset_records(
+        source.path, source.split, source.image_column, source.caption_column
+    ),
+}
+
+
+def skip_uncaptioned(records: list[ImageRecord], max_bad_fraction: float) -> list[ImageRecord]:
+    """The records with a caption; the others are named (the first 20) and counted, and more
+    than ``max_bad_fraction`` of them stops the run."""
+    missing = sorted({str(record.image_path) for record in records if not record.caption})
+    if not missing:
+        return records
+    kept = [record for record in records if record.caption]
+    named = ", ".join(missing[:20]) + (f" and {len(missing) - 20} more" * (len(missing) > 20))
+    print(f"impasto: left out {len(missing)} images without a caption: {named}")
+    fraction = (len(records) - len(kept)) / len(records)
+    if fraction > max_bad_fraction:
+        raise ValueError(
+            f"data: {len(missing)} images have no caption ({fraction:.0%} of the samples > "
+            f"data.max_bad_fraction "
+            f"{max_bad_fraction}); add captions, or set data.missing_captions: empty"
+        )
+    return kept
 
 
 def place_in_buckets(
