@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from impasto.cli import main
 from impasto.config import build_config
-from impasto.data import ImageCaptionDataset, collate_examples, derive_seed
+from impasto.data import ImageCaptionDataset, Skipped, collate_examples, derive_seed
 from impasto.data.cache import ShardStore, ShardWriter, latent_key
 from impasto.models import encode_prompts, load_model
 from impasto.train import disk_cache
@@ -175,7 +175,9 @@ def test_mismatched_entry_is_skipped_and_counted(tmp_path, folder, caplog) -> No
     encodings.store.refresh()
     dataset = ImageCaptionDataset(records, 64, "center", False, 3, bucket_of=bucket_of,
                                   cache=encodings)  # fmt: skip
-    assert dataset[(0, 1)] is None and "01.png" in caplog.text and "shape (4, 3, 3)" in caplog.text
+    skipped = dataset[(0, 1)]
+    assert isinstance(skipped, Skipped) and skipped.name.endswith("01.png")
+    assert "shape (4, 3, 3)" in skipped.reason and "01.png" in caplog.text
     batch = collate_examples([dataset[(0, 1)], dataset[(0, 6)]])
     assert batch.num_bad == 1 and batch.latent_mean.shape[0] == 1
 

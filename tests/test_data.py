@@ -19,6 +19,7 @@ from impasto.data import (
     ImageCaptionDataset,
     ImageRecord,
     ResumableBatchSampler,
+    Skipped,
     build_dataloader,
     collate_examples,
     demo_caption,
@@ -388,7 +389,7 @@ def test_dataset_example_is_deterministic(tmp_path: Path) -> None:
     assert any(not torch.equal(a.pixel_values, b.pixel_values) for a, b in examples)  # type: ignore[union-attr]
 
 
-def test_bad_files_become_none_and_are_counted(tmp_path: Path) -> None:
+def test_bad_files_are_skipped_with_name_and_reason(tmp_path: Path) -> None:
     records = demo_records(tmp_path / "demo", num_images=3)
     png_bytes = records[0].image_path.read_bytes()
     truncated_png = tmp_path / "truncated.png"
@@ -399,15 +400,19 @@ def test_bad_files_become_none_and_are_counted(tmp_path: Path) -> None:
     truncated_jpg.write_bytes(truncated_jpg.read_bytes()[:-300])
     fake_png = tmp_path / "fake.png"
     fake_png.write_text("this is a caption, not an image")
-    bad = [ImageRecord(path, "bad") for path in (truncated_png, truncated_jpg, fake_png)]
+    empty = tmp_path / "empty.jpg"
+    empty.write_bytes(b"")
+    bad = [ImageRecord(path, "bad") for path in (truncated_png, truncated_jpg, fake_png, empty)]
     dataset = ImageCaptionDataset(records + bad, 32, "center", False, seed=0)
-    assert [dataset[(0, i)] is None for i in range(6)] == [False] * 3 + [True] * 3
+    assert [isinstance(dataset[(0, i)], Skipped) for i in range(7)] == [False] * 3 + [True] * 4
+    assert dataset[(0, 6)].name == str(empty) and "unreadable image" in dataset[(0, 6)].reason
     batch = collate_examples([dataset[(0, i)] for i in (0, 3, 1, 4, 5)])
-    assert batch is not None
     assert batch.num_bad == 3 and batch.size == 2
+    assert [item.name for item in batch.skipped] == [str(r.image_path) for r in bad[:3]]
     assert batch.captions == [records[0].caption, records[1].caption]
     assert batch.indices.tolist() == [0, 1]
-    assert collate_examples([dataset[(0, 3)], dataset[(0, 5)]]) is None
+    all_bad = collate_examples([dataset[(0, 3)], dataset[(0, 6)]])
+    assert all_bad.size == 0 and all_bad.num_bad == 2 and all_bad.pixel_values is None
 
 
 def test_batch_fields(tmp_path: Path) -> None:

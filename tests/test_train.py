@@ -206,10 +206,12 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path, demo_folder):
     raw["data"]["max_bad_fraction"] = 0.5
     result = train(build_config(raw))
     assert result.state.step == 4 and result.state.images_bad == 1
+    lines = (result.run_dir / "bad-data.tsv").read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{broken}\tunreadable image")
     raw = copy.deepcopy(raw)
     raw["data"]["max_bad_fraction"] = 0.0
     raw["train"].update(output_dir=str(tmp_path / "run2"), max_steps=6)
-    with pytest.raises(ValueError, match="data: 1 of 16 images were unreadable"):
+    with pytest.raises(ValueError, match="data: 1 of 16 images were unusable"):
         train(build_config(raw))
 
 

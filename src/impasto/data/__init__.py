@@ -12,7 +12,13 @@ from torch.utils.data import DataLoader
 
 from impasto.data.cache import CachedEncodings
 from impasto.data.captions import CaptionTools
-from impasto.data.dataset import Batch, Example, ImageCaptionDataset, collate_examples
+from impasto.data.dataset import (
+    Batch,
+    Example,
+    ImageCaptionDataset,
+    Skipped,
+    collate_examples,
+)
 from impasto.data.demo import (
     DEMO_BACKGROUNDS,
     DEMO_COLORS,
@@ -53,6 +59,7 @@ __all__ = [
     "ImageRecord",
     "ResumableBatchSampler",
     "SampleKey",
+    "Skipped",
     "build_dataloader",
     "collate_examples",
     "demo_caption",
@@ -114,7 +121,7 @@ def build_dataloader(
     world_size: int = 1,
     cache: CachedEncodings | None = None,
 ) -> tuple[DataLoader, ResumableBatchSampler]:
-    """A shuffling, exactly resumable loader of :class:`Batch` (or ``None`` for all-bad batches).
+    """A shuffling, exactly resumable loader of :class:`Batch` (empty when all were skipped).
 
     Each ``iter(loader)`` yields the rest of the sampler's current epoch, starting at its
     position; every batch is full (a short last batch is filled with images the epoch already

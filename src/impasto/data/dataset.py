@@ -59,12 +59,23 @@ class Example:
     pooled_prompt_embeds: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """An example that could not be loaded: which one, and why."""
+
+    index: int
+    name: str
+    reason: str
+
+
 class ImageCaptionDataset(Dataset):
     """Images and captions from a list of :class:`ImageRecord`, preprocessed for SDXL.
 
     Indexed with ``(epoch, index)`` or a :class:`~impasto.data.sampler.SampleKey`
-    ``(epoch, index, step_epoch, step_batch)``; returns an :class:`Example`, or ``None`` when
-    the file cannot be read as an image (a warning is logged), so one bad file never stops a run.
+    ``(epoch, index, step_epoch, step_batch)``; returns an :class:`Example`, or a
+    :class:`Skipped` naming the image and the reason when it cannot be used (an unreadable
+    file, a missing or mismatched cache entry; a warning is logged), so one bad file never
+    stops a run.
 
     Args:
         records: the examples, e.g. from :func:`~impasto.data.folder.scan_image_folder`.
@@ -124,7 +135,7 @@ class ImageCaptionDataset(Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, key: tuple[int, ...]) -> Example | None:
+    def __getitem__(self, key: tuple[int, ...]) -> Example | Skipped:
         epoch, index = int(key[0]), int(key[1])
         position = BatchPosition(int(key[2]), int(key[3])) if len(key) > 3 else None
         record = self.records[index]
@@ -137,8 +148,7 @@ class ImageCaptionDataset(Dataset):
             params = self.transform.params(*size, bucket, generator)
             posterior = self.cache.posterior(index, params)
             if isinstance(posterior, str):
-                logger.warning("data: skipping %s: %s", record.image_path, posterior)
-                return None
+                return self.skip(index, posterior)
         else:
             try:
                 with record.open_image() as image:
@@ -147,8 +157,7 @@ class ImageCaptionDataset(Dataset):
                     params = self.transform.params(image.height, image.width, bucket, generator)
                     pixel_values = apply_bucket_transform(image, params)
             except IMAGE_LOAD_ERRORS as error:
-                logger.warning("data: skipping unreadable image %s (%s)", record.image_path, error)
-                return None
+                return self.skip(index, f"unreadable image ({error})")
         caption = self.caption(record.caption, epoch, index, generator)
         prompt = None
         if self.cache is not None and self.cache.text_fingerprint is not None:
@@ -169,6 +178,11 @@ class ImageCaptionDataset(Dataset):
             pooled_prompt_embeds=None if prompt is None else prompt[1],
         )
 
+    def skip(self, index: int, reason: str) -> Skipped:
+        name = str(self.records[index].image_path)
+        logger.warning("data: skipping %s: %s", name, reason)
+        return Skipped(index, name, reason)
+
     def caption(self, caption: str, epoch: int, index: int, generator: torch.Generator) -> str:
         """The caption record ``index`` trains with in ``epoch``: dropped (drawn after the
         transform, so the dropout setting never changes the augmentation), else augmented by
@@ -183,7 +197,7 @@ class ImageCaptionDataset(Dataset):
 
 @dataclass
 class Batch:
-    """A collated batch of ``B`` good examples (bad files already dropped).
+    """A collated batch of ``B`` good examples (bad files already dropped; ``B`` may be 0).
 
     Attributes:
         pixel_values: float32 ``[B, 3, R, R]`` (or the bucket's ``[B, 3, H, W]``) in ``[-1, 1]``;
@@ -193,13 +207,14 @@ class Batch:
         crop_top_lefts: int64 ``[B, 2]`` of ``(top, left)``.
         target_sizes: int64 ``[B, 2]``: ``(R, R)``, or the batch's bucket ``(height, width)``.
         indices: int64 ``[B]`` dataset indices, for logging and debugging.
-        num_bad: examples of this batch dropped as unreadable.
+        num_bad: examples of this batch dropped as unusable.
         position: where this batch sits in the run; equals ``sampler.position`` before the
             trainer's ``advance()`` for it. ``None`` if the keys had no batch position.
         loss_weights: float32 ``[B]`` per-sample loss weights (e.g. tag frequency), or ``None``.
         loss_masks: float32 ``[B, 1, R, R]`` in [0, 1] (where the loss counts), or ``None``.
         latent_mean, latent_std: cached VAE posteriors ``[B, C, h, w]`` (storage dtype), or None.
         prompt_embeds, pooled_prompt_embeds: cached text encodings, or None (encode on the fly).
+        skipped: the dropped examples, with names and reasons.
     """
 
     pixel_values: torch.Tensor | None
@@ -216,6 +231,7 @@ class Batch:
     latent_std: torch.Tensor | None = None
     prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None
+    skipped: tuple[Skipped, ...] = ()
 
     @property
     def size(self) -> int:
@@ -254,16 +270,18 @@ def _loss_weights(examples: Sequence[Example]) -> torch.Tensor | None:
     return torch.tensor([1.0 if w is None else w for w in weights], dtype=torch.float32)
 
 
-def collate_examples(examples: Sequence[Example | None]) -> Batch | None:
-    """Stack examples into a :class:`Batch`, dropping ``None`` (unreadable) ones.
+def collate_examples(examples: Sequence[Example | Skipped]) -> Batch:
+    """Stack examples into a :class:`Batch`, dropping the :class:`Skipped` ones.
 
-    Returns ``None`` when every example was bad; the trainer skips such a batch (but still
-    counts it as consumed, see :mod:`impasto.data.sampler`).
+    When every example was skipped the batch is empty (``size == 0``, no tensors to train on);
+    the trainer skips it but still counts it as consumed (see :mod:`impasto.data.sampler`).
     """
-    good = [example for example in examples if example is not None]
-    num_bad = len(examples) - len(good)
+    good = [example for example in examples if isinstance(example, Example)]
+    skipped = tuple(example for example in examples if isinstance(example, Skipped))
     if not good:
-        return None
+        empty = torch.zeros(0, 2, dtype=torch.long)
+        return Batch(None, [], empty, empty, empty, torch.zeros(0, dtype=torch.long),
+                     num_bad=len(skipped), skipped=skipped)  # fmt: skip
     target_sizes = {example.target_size for example in good}
     assert len(target_sizes) == 1, f"examples of different sizes collated together: {target_sizes}"
     positions = {example.position for example in good}
@@ -275,11 +293,12 @@ def collate_examples(examples: Sequence[Example | None]) -> Batch | None:
         crop_top_lefts=torch.tensor([example.crop_top_left for example in good], dtype=torch.long),
         target_sizes=torch.tensor([target_sizes.pop()] * len(good), dtype=torch.long),
         indices=torch.tensor([example.index for example in good], dtype=torch.long),
-        num_bad=num_bad,
+        num_bad=len(skipped),
         position=positions.pop(),
         loss_weights=_loss_weights(good),
         latent_mean=_stack(good, "latent_mean"),
         latent_std=_stack(good, "latent_std"),
         prompt_embeds=_stack(good, "prompt_embeds"),
         pooled_prompt_embeds=_stack(good, "pooled_prompt_embeds"),
+        skipped=skipped,
     )

@@ -18,7 +18,7 @@ Typical loop::
     while sampler.position.epoch < num_epochs:
         for batch in loader:                          # the rest of the current epoch
             sampler.advance()                         # this batch is consumed
-            if batch is None:                         # every image in it was unreadable
+            if batch.size == 0:                       # every image in it was unusable
                 continue
             train_step(batch)
             save_checkpoint({"data": sampler.state_dict(), ...})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from impasto.data import (
 from impasto.data.buckets import assign_image_buckets
 from impasto.data.cache import CachedEncodings
 from impasto.data.captions import tag_frequency_weights
+from impasto.data.dataset import Skipped
 from impasto.data.demo import write_demo_dataset
 from impasto.data.folder import read_manifest
 from impasto.data.sources import hf_dataset_records, parquet_records, webdataset_records
@@ -106,6 +107,7 @@ class Trainer:
         self.optimizer = OPTIMIZERS[config.optim.name](groups, config.optim)
         self.objective = Objective.from_config(config.objective)
         self.memo = EncodingMemo.from_config(config)
+        self.bad_data = BadDataLog(self.run_dir / BAD_DATA_FILE)
 
         self.state, self.last_checkpoint = TrainState(), None
         restored = None
@@ -157,6 +159,8 @@ class Trainer:
         progress.close()
         metrics.close()
         report(state, time.perf_counter() - self.started, interrupted, self.last_checkpoint)
+        if state.images_bad:
+            print(f"impasto: the skipped images and why: {self.bad_data.path}")
         return TrainResult(self.run_dir, state, self.last_checkpoint, interrupted)
 
     def step(self) -> dict[str, float] | None:
@@ -200,9 +204,10 @@ class Trainer:
         for micro in range(accum):
             batch, (state.epoch, state.batch_in_epoch) = next(self.stream)
             state.images_attempted += config.data.batch_size
-            state.images_bad += batch.num_bad if batch is not None else config.data.batch_size
+            state.images_bad += batch.num_bad
+            self.bad_data.record(batch.skipped)
             self.check_bad_fraction()
-            if batch is None:
+            if batch.size == 0:
                 continue
             seed = derive_seed(config.train.seed, 0, state.step, micro)  # (seed, rank, step, micro)
             generator = torch.Generator().manual_seed(seed)
@@ -241,13 +246,14 @@ class Trainer:
         return grad_norm
 
     def check_bad_fraction(self) -> None:
-        """After a full epoch's worth of images, stop if too many were unreadable."""
+        """After a full epoch's worth of images, stop if too many were unusable."""
         state, limit = self.state, self.config.data.max_bad_fraction
         fraction = state.images_bad / max(1, state.images_attempted)
         if state.images_attempted >= len(self.records) and fraction > limit:
             raise ValueError(
-                f"data: {state.images_bad} of {state.images_attempted} images were unreadable "
-                f"({fraction:.0%} > data.max_bad_fraction {limit}); remove or fix the broken files"
+                f"data: {state.images_bad} of {state.images_attempted} images were unusable "
+                f"({fraction:.0%} > data.max_bad_fraction {limit}); see {self.bad_data.path}, "
+                "then remove or fix the broken files"
             )
 
     def should_sample(self) -> bool:
@@ -435,10 +441,34 @@ def micro_batches(
         epoch, first = position.epoch, position.batch_in_epoch
 
 
+BAD_DATA_FILE = "bad-data.tsv"
+
+
+class BadDataLog:
+    """The images a run skipped, one ``name<TAB>reason`` line each (``RUN/bad-data.tsv``),
+    appended as they are met, kept across resumes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.names = set()
+        if path.exists():
+            lines = path.read_text(encoding="utf-8").splitlines()
+            self.names = {line.split("\t")[0] for line in lines}
+
+    def record(self, skipped: Sequence[Skipped]) -> None:
+        new = [item for item in skipped if item.name not in self.names]
+        if not new:
+            return
+        with self.path.open("a", encoding="utf-8") as handle:
+            for item in new:
+                handle.write(f"{item.name}\t{item.reason}\n")
+                self.names.add(item.name)
+
+
 def report(state: TrainState, elapsed: float, interrupted: bool, checkpoint: Path | None) -> None:
     how = "stopped on request" if interrupted else "finished"
     print(f"impasto: {how} at step {state.step} in {elapsed:.1f} s; checkpoint: {checkpoint}")
     if state.images_bad:
-        print(f"impasto: skipped {state.images_bad} unreadable images")
+        print(f"impasto: skipped {state.images_bad} unusable images")
     if state.steps_skipped:
         print(f"impasto: skipped {state.steps_skipped} non-finite steps")

@@ -9,7 +9,7 @@ import torch
 from diffusers import AutoencoderKL
 from torch import Tensor
 
-from impasto.data import ImageCaptionDataset, ImageRecord
+from impasto.data import Example, ImageCaptionDataset, ImageRecord
 
 EVAL_BATCH_SIZE = 64
 
@@ -24,7 +24,7 @@ def load_images(records: Sequence[ImageRecord], resolution: int) -> Tensor:
     """
     dataset = ImageCaptionDataset(records, resolution, crop="center", random_flip=False, seed=0)
     examples = [dataset[(0, index)] for index in range(len(dataset))]
-    pixels = [example.pixel_values for example in examples if example is not None]
+    pixels = [example.pixel_values for example in examples if isinstance(example, Example)]
     if not pixels:
         raise ValueError(f"vae: none of the {len(records)} images could be read")
     return torch.stack(pixels)
