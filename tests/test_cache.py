@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from impasto.cli import main
 from impasto.config import build_config
@@ -229,3 +229,35 @@ def test_torchrun_two_ranks_split_the_fill(tmp_path, folder) -> None:
     assert (again.latents_encoded, again.latents_found) == (0, 20)
     assert (again.texts_encoded, again.texts_found) == (0, 10)
     assert disk_cache.cache_dir(build_config(raw)) == folder / ".impasto-cache"
+
+
+def test_a_cached_run_resumes_exactly(tmp_path, folder, capsys) -> None:
+    raw = raw_config(tmp_path / "straight", folder, caption_variants=2)
+    raw["data"].update(shuffle_tags=True, caption_dropout=0.2)
+    raw["train"]["max_steps"] = 6
+    raw["checkpoint"] = {"every_steps": 3}
+    straight = train(build_config(raw)).run_dir
+    resumed = copy.deepcopy(raw)
+    resumed["train"].update(output_dir=str(tmp_path / "resumed" / "run"), max_steps=3)
+    train(build_config(resumed))
+    resumed["train"]["max_steps"] = 6
+    capsys.readouterr()
+    run = train(build_config(resumed)).run_dir
+    assert "(step 3)" in capsys.readouterr().out  # it resumed, mid-epoch (5 batches per epoch)
+    names = ("checkpoints", "step-00000006", "unet.safetensors")
+    a, b = load_file(straight.joinpath(*names)), load_file(run.joinpath(*names))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_blob_record_changes_identity_with_its_shard(tmp_path) -> None:
+    from impasto.data import ImageRecord
+    from impasto.data.cache import _container_stat, record_identity
+    from impasto.data.sources import FileRangeBlob
+
+    shard = tmp_path / "s.tar"
+    shard.write_bytes(b"x" * 100)
+    record = ImageRecord("s.tar/0.png", "c", blob=FileRangeBlob(str(shard), 10, 20))
+    before = record_identity(record)
+    shard.write_bytes(b"y" * 101)  # rewritten: a new size (and time)
+    _container_stat.cache_clear()  # stat'ed once per process; a new run is a new process
+    assert record_identity(record) != before

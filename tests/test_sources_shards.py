@@ -17,12 +17,14 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from impasto.data import sources
 from impasto.data.sources import (
     FileRangeBlob,
     FsspecRangeBlob,
+    hf,
     hf_dataset_records,
+    parquet,
     parquet_records,
+    shards,
     webdataset_records,
 )
 
@@ -109,10 +111,8 @@ def test_unreadable_image_gets_no_size_and_does_not_raise(tmp_path):
 
 def test_local_index_is_reused_and_rebuilt_when_the_shard_changes(tmp_path, monkeypatch):
     scans = []
-    scan_tar = sources._scan_tar
-    monkeypatch.setattr(
-        sources, "_scan_tar", lambda *args: scans.append(args[1]) or scan_tar(*args)
-    )
+    scan_tar = shards._scan_tar
+    monkeypatch.setattr(shards, "_scan_tar", lambda *args: scans.append(args[1]) or scan_tar(*args))
     shard = write_shard(tmp_path / "s.tar", [("0.png", RED), ("0.txt", b"first")])
     index_dir = tmp_path / "index"
     assert webdataset_records(str(shard), index_dir)[0].caption == "first"
@@ -243,7 +243,7 @@ def test_parquet_with_bytes_and_hf_image_structs(tmp_path, monkeypatch):
         ]
         # A loader worker: records arrive pickled, and the worker has no open files yet.
         restored = pickle.loads(pickle.dumps(records))
-        monkeypatch.setattr(sources, "_PARQUET_FILES", {})
+        monkeypatch.setattr(parquet, "_PARQUET_FILES", {})
         assert [record.read_bytes() for record in restored] == images
 
 
@@ -290,7 +290,7 @@ def test_hf_dataset_saved_to_disk(hf_images, tmp_path, monkeypatch):
     assert [record.caption for record in records] == ["one", "", "three"]
     assert [record.size for record in records] == [(8, 12), (16, 4), (6, 10)]
     restored = pickle.loads(pickle.dumps(records))
-    monkeypatch.setattr(sources, "_HF_IMAGES", {})
+    monkeypatch.setattr(hf, "_HF_IMAGES", {})
     assert [record.read_bytes() for record in restored] == [RED, GREEN, BLUE]
     test = hf_dataset_records(str(tmp_path / "dict"), split="test", caption_column=None)
     assert [(record.caption, record.read_bytes()) for record in test] == [("", BLUE)]

@@ -28,6 +28,7 @@ that changes gets a new id, hence new keys.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -105,12 +106,28 @@ def text_key(caption: str, text_fingerprint: str, dtype: str) -> str:
 
 
 def record_identity(record: ImageRecord) -> str:
-    """What says a record's bytes are unchanged: the file's stat, or the blob's identity."""
-    if record.blob is not None:
-        return f"blob|{record.blob!r}"
-    path = Path(record.image_path)
+    """What says a record's bytes are unchanged: the file's stat; for a blob, its identity
+    (file, offset, row ...) plus the stat of the local shard, Parquet file or dataset folder it
+    reads from (a remote shard is trusted to stay the same)."""
+    if record.blob is None:
+        return f"file|{_stat(record.image_path)}"
+    container = getattr(record.blob, "path", None)
+    return f"blob|{record.blob!r}|{'' if container is None else _container_stat(container)}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _container_stat(path: str) -> str:
+    """The stat of a shard or Parquet file, or of a dataset folder's files; once per process."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return _stat(folder)
+    return "|".join(_stat(child) for child in sorted(folder.rglob("*")) if child.is_file())
+
+
+def _stat(path: str | Path) -> str:
+    path = Path(path)
     stat = path.stat()
-    return f"file|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
 
 
 def compute_image_id(record: ImageRecord) -> ImageId:

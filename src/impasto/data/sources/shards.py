@@ -1,16 +1,9 @@
-"""Image sources that are not a folder of files: webdataset tar shards, Parquet manifests and
-local Hugging Face datasets (docs/data-sources.md).
-
-Each source returns ``list[ImageRecord]`` in a fixed order. Images that are not plain files get
-a small frozen ``blob`` that reads their bytes on demand: training shuffles, so every image is
-read by its own position (a byte range, a Parquet row, a dataset index), never by streaming.
-Blobs are picklable and open their files lazily, once per process, in the loader's workers.
-"""
+"""Webdataset tar shards: shard URLs, the per-shard index, and blobs that read byte ranges
+(docs/data-sources.md)."""
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -19,22 +12,18 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 from braceexpand import braceexpand
-from PIL import Image
 
 from impasto.data.folder import ImageRecord
-from impasto.data.transforms import IMAGE_LOAD_ERRORS
+from impasto.data.sources._common import _image_size
 
 logger = logging.getLogger(__name__)
 
@@ -48,21 +37,6 @@ INDEX_VERSION = 1
 HEADER_BYTES = 64 * 1024
 # Indexing is I/O bound (remote latency, pipe commands), so shards are indexed in threads.
 NUM_INDEX_THREADS = 8
-# Reading one image reads its whole Parquet row group: warn when that is this large.
-LARGE_ROW_GROUP_BYTES = 64 * 1024 * 1024
-
-
-def _image_size(image_file: bytes | str) -> tuple[int, int] | None:
-    """``(height, width)`` from the header of encoded image bytes or an image file (pixels are
-    not decoded); None when unreadable: the loader reports bad images when it reads them."""
-    try:
-        with Image.open(
-            io.BytesIO(image_file) if isinstance(image_file, bytes) else image_file
-        ) as image:
-            width, height = image.size
-    except IMAGE_LOAD_ERRORS:
-        return None
-    return height, width
 
 
 @dataclass(frozen=True)
@@ -344,270 +318,4 @@ def webdataset_records(urls: str | Sequence[str], index_dir: Path) -> list[Image
             )
     if not records:
         raise ValueError(f"data: no images in the {len(expanded)} shards from {expanded[0]}")
-    return records
-
-
-# One open ParquetFile per (process, path): loader workers are forked from the main process, so
-# the key holds the pid and a worker never shares the parent's file handle.
-_PARQUET_FILES: dict[tuple[int, str], pq.ParquetFile] = {}
-
-
-def _parquet_file(path: str) -> pq.ParquetFile:
-    key = (os.getpid(), path)
-    if key not in _PARQUET_FILES:
-        _PARQUET_FILES[key] = pq.ParquetFile(path)
-    return _PARQUET_FILES[key]
-
-
-@dataclass(frozen=True)
-class ParquetRowBlob:
-    """The image bytes of one Parquet row: reads its row group's ``column``, takes the row."""
-
-    path: str
-    row_group: int
-    row: int
-    column: str = "image"
-
-    def read(self) -> bytes:
-        table = _parquet_file(self.path).read_row_group(self.row_group, columns=[self.column])
-        value = table.column(0)[self.row].as_py()
-        data = value.get("bytes") if isinstance(value, dict) else value
-        if not isinstance(data, bytes):
-            raise OSError(f"{self.path} row group {self.row_group} row {self.row}: no bytes")
-        return data
-
-
-def _row_weight(raw_weight: Any, where: str) -> float:
-    """A manifest row's loss weight (1 when empty); the same rules as ``read_manifest``."""
-    try:
-        weight = 1.0 if raw_weight in (None, "") else float(raw_weight)
-    except (TypeError, ValueError):
-        raise ValueError(f"data: {where}: weight {raw_weight!r} is not a number") from None
-    if not weight > 0:
-        raise ValueError(f"data: {where}: weight must be > 0, got {weight}")
-    return weight
-
-
-def _parquet_record(
-    path: Path, row: dict[str, Any], number: int, blob: ParquetRowBlob
-) -> ImageRecord:
-    where = f"{path} row {number}"
-    image = row["image"]
-    if isinstance(image, dict):  # a Hugging Face Image struct {"bytes": ..., "path": ...}
-        image = image.get("bytes") or image.get("path")
-    if not image:
-        raise ValueError(f"data: {where}: no 'image' field")
-    caption = str(row.get("caption") or "").strip()
-    weight = _row_weight(row.get("weight"), where)
-    if isinstance(image, bytes):
-        name = f"{path.name}/row-{number}"
-        return ImageRecord(name, caption, weight, blob=blob, size=_image_size(image))
-    if not isinstance(image, str):
-        raise ValueError(f"data: {where}: 'image' is {type(image).__name__}, not a path or bytes")
-    image_path = Path(image) if Path(image).is_absolute() else path.parent / image
-    return ImageRecord(image_path, caption, weight)
-
-
-def parquet_records(path: Path) -> list[ImageRecord]:
-    """The rows of a Parquet manifest, in row order.
-
-    Columns: ``image`` (a path relative to the file's folder or absolute, image bytes, or a
-    Hugging Face image struct ``{"bytes", "path"}``), and optionally ``caption`` and ``weight``.
-    Images stored as bytes are read back one row at a time (:class:`ParquetRowBlob`), which
-    reads the row's whole row group: write such files with small row groups.
-
-    Raises:
-        ValueError: no file, no ``image`` column, or a row without an image or with a bad
-            weight (the messages of ``read_manifest``; rows count from 1).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"data: parquet manifest {path} does not exist; check data.path")
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as error:
-        raise ValueError(f"data: {path} is not a Parquet file ({error})") from None
-    names = parquet.schema_arrow.names
-    if "image" not in names:
-        raise ValueError(f"data: {path} has no 'image' column; its columns: {', '.join(names)}")
-    columns = [name for name in ("image", "caption", "weight") if name in names]
-    records = []
-    for group in range(parquet.num_row_groups):
-        rows = parquet.read_row_group(group, columns=columns).to_pylist()
-        for row_in_group, row in enumerate(rows):
-            blob = ParquetRowBlob(str(path.resolve()), group, row_in_group)
-            records.append(_parquet_record(path, row, len(records) + 1, blob))
-    if not records:
-        raise ValueError(f"data: parquet manifest {path} has no rows")
-    largest = max(
-        parquet.metadata.row_group(g).total_byte_size for g in range(parquet.num_row_groups)
-    )
-    if any(record.blob for record in records) and largest > LARGE_ROW_GROUP_BYTES:
-        logger.warning(
-            "data: %s has row groups of up to %d MiB, read whole for each image; rewrite it "
-            "with smaller row groups (pyarrow.parquet.write_table(..., row_group_size=64))",
-            path,
-            largest >> 20,
-        )
-    return records
-
-
-@contextmanager
-def _hf_offline() -> Iterator[None]:
-    """Offline mode for ``datasets`` and ``huggingface_hub`` while loading: both read their
-    ``HF_*_OFFLINE`` variables at import, so the flags are set on their config modules."""
-    import datasets.config
-    import huggingface_hub.constants
-
-    flags = [
-        (datasets.config, "HF_HUB_OFFLINE"),
-        (datasets.config, "HF_DATASETS_OFFLINE"),  # older datasets read this one
-        (huggingface_hub.constants, "HF_HUB_OFFLINE"),
-    ]
-    saved = [
-        (module, name, getattr(module, name)) for module, name in flags if hasattr(module, name)
-    ]
-    for module, name, _ in saved:
-        setattr(module, name, True)
-    try:
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
-
-
-def _load_hf_dataset(path: str, split: str | None):
-    """The split of a ``save_to_disk`` folder, or of a folder ``load_dataset`` reads, offline.
-    A plain saved ``Dataset`` has no splits: ``split`` is ignored for it."""
-    import datasets
-
-    with _hf_offline():
-        try:
-            loaded = datasets.load_from_disk(path)
-        except FileNotFoundError:
-            try:
-                loaded = datasets.load_dataset(path)
-            except (FileNotFoundError, ValueError) as error:
-                reason = (str(error).splitlines() or [type(error).__name__])[0]
-                raise ValueError(
-                    f"data: {path} is neither a save_to_disk folder nor a dataset folder "
-                    f"load_dataset reads ({reason})"
-                ) from None
-    if isinstance(loaded, datasets.Dataset):
-        return loaded
-    splits = list(loaded)
-    if split is None and len(splits) == 1:
-        return loaded[splits[0]]
-    if split not in loaded:
-        raise ValueError(f"data: {path} has no split {split!r}; its splits: {', '.join(splits)}")
-    return loaded[split]
-
-
-def _image_column(dataset, column: str, where: str, other_columns: Sequence[str] = ()):
-    """``dataset`` with ``column`` read as undecoded images ``{"bytes", "path"}``, and
-    ``other_columns``."""
-    import datasets
-
-    for name in (column, *other_columns):
-        if name not in dataset.column_names:
-            names = ", ".join(dataset.column_names)
-            raise ValueError(f"data: {where} has no column {name!r}; its columns: {names}")
-    try:
-        selected = dataset.select_columns([column, *other_columns])
-        return selected.cast_column(column, datasets.Image(decode=False))
-    except (TypeError, ValueError, pa.ArrowException) as error:
-        reason = (str(error).splitlines() or [type(error).__name__])[0]
-        raise ValueError(
-            f"data: {where} column {column!r} does not hold images ({reason})"
-        ) from None
-
-
-# One loaded dataset per (process, path, split, column); loaded lazily in each loader worker.
-_HF_IMAGES: dict[tuple[int, str, str | None, str], Any] = {}
-
-
-def _hf_images(path: str, split: str | None, column: str):
-    key = (os.getpid(), path, split, column)
-    if key not in _HF_IMAGES:
-        _HF_IMAGES[key] = _image_column(_load_hf_dataset(path, split), column, path)
-    return _HF_IMAGES[key]
-
-
-def _hf_image_file(value: dict[str, Any] | None) -> bytes | str | None:
-    """An undecoded image value's bytes, or else its local file (an image folder's rows)."""
-    return (value.get("bytes") or value.get("path")) if value else None
-
-
-@dataclass(frozen=True)
-class HFRowBlob:
-    """The image bytes of ``dataset[index][column]`` of a local Hugging Face dataset."""
-
-    path: str
-    split: str | None
-    index: int
-    column: str
-
-    def read(self) -> bytes:
-        image_file = _hf_image_file(
-            _hf_images(self.path, self.split, self.column)[self.index][self.column]
-        )
-        if image_file is None:
-            raise OSError(f"{self.path} index {self.index}: no image bytes or path")
-        return image_file if isinstance(image_file, bytes) else Path(image_file).read_bytes()
-
-
-def hf_dataset_records(
-    path: str | Path,
-    split: str | None = "train",
-    image_column: str = "image",
-    caption_column: str | None = "text",
-) -> list[ImageRecord]:
-    """The rows of a local Hugging Face dataset, in index order, without touching the network.
-
-    Args:
-        path: a local folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``,
-            or one ``datasets.load_dataset(path)`` reads (Parquet files, an image folder).
-        split: the split to read; ``None`` takes the only one. Ignored for a plain ``Dataset``.
-        image_column: the images (``datasets.Image``, or bytes or paths castable to it).
-        caption_column: the caption strings; ``None`` gives every image the empty caption.
-
-    Raises:
-        ValueError: not a local folder, no such split or column, or a row without an image.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(
-            f"data: Hugging Face dataset {path} is not a local folder; download it first "
-            "(huggingface-cli download --repo-type dataset NAME --local-dir DIR) and pass DIR"
-        )
-    resolved = str(folder.resolve())
-    where = resolved if split is None else f"{resolved} split {split!r}"
-    dataset = _load_hf_dataset(resolved, split)
-    other_columns = [caption_column] if caption_column is not None else []
-    rows = _image_column(dataset, image_column, where, other_columns)
-    # The blobs of this process (a loader without workers) reuse the dataset loaded here.
-    _HF_IMAGES[(os.getpid(), resolved, split, image_column)] = rows.select_columns([image_column])
-    prefix = folder.name if split is None else f"{folder.name}/{split}"
-    records = []
-    for batch in rows.iter(batch_size=256):
-        captions = (
-            batch[caption_column] if caption_column is not None else [""] * len(batch[image_column])
-        )
-        for image, caption in zip(batch[image_column], captions, strict=True):
-            index = len(records)
-            if caption is not None and not isinstance(caption, str):
-                raise ValueError(f"data: {where} index {index}: the caption is not a string")
-            image_file = _hf_image_file(image)
-            if image_file is None:
-                raise ValueError(f"data: {where} index {index}: no image")
-            records.append(
-                ImageRecord(
-                    image_path=f"{prefix}/{index}",
-                    caption=(caption or "").strip(),
-                    blob=HFRowBlob(resolved, split, index, image_column),
-                    size=_image_size(image_file),
-                )
-            )
-    if not records:
-        raise ValueError(f"data: {where} has no rows")
     return records
