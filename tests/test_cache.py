@@ -60,7 +60,7 @@ def raw_config(tmp_path: Path, data: Path, **cache) -> dict:
 def fill(raw: dict, models=None):
     config = build_config(raw)
     models = models or load_model(config)
-    records, ids, _ = identify_images(config, load_records(config))
+    records, ids = identify_images(config, load_records(config))
     bucket_of = place_in_buckets(config, records, None)
     encodings, report = fill_cache(
         config, models, records, ids, bucket_of, contextlib.nullcontext, "None"

@@ -6,8 +6,11 @@ import importlib.metadata
 import platform
 import shutil
 
-OPTIONAL = ("wandb", "bitsandbytes", "webdataset", "datasets")
-REQUIRED = ("torch", "diffusers", "transformers", "peft", "safetensors", "pydantic", "tensorboard")
+OPTIONAL = ("wandb", "bitsandbytes", "datasets", "s3fs", "gcsfs")
+REQUIRED = (
+    "torch", "diffusers", "transformers", "peft", "safetensors", "pydantic", "tensorboard",
+    "pyarrow", "fsspec", "braceexpand",
+)  # fmt: skip
 
 
 def _version(package: str) -> str:

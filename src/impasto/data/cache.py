@@ -36,7 +36,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -340,11 +340,6 @@ class CachedEncodings:
             return self.store.get(f"{key}.embeds"), self.store.get(f"{key}.pooled")
         except (KeyError, SafetensorError, OSError):
             return None
-
-
-def missing_names(store: ShardStore, keys: Iterable[str], suffix: str) -> list[str]:
-    """The keys (in order, without repeats) whose ``<key><suffix>`` tensor is not stored."""
-    return [key for key in dict.fromkeys(keys) if f"{key}{suffix}" not in store]
 
 
 def split_for_rank(items: Sequence, rank: int, world_size: int) -> list:

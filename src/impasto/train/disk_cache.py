@@ -119,10 +119,10 @@ def training_captions(config: Config, records: Sequence[ImageRecord]) -> list[st
 
 def identify_images(
     config: Config, records: Sequence[ImageRecord], rank: int = 0, world: int = 1
-) -> tuple[list[ImageRecord], list[ImageId | None], list[str]]:
+) -> tuple[list[ImageRecord], list[ImageId | None]]:
     """Every record's content id: memoised ones by file stat, the rest hashed (split across
     ranks, then shared). Returns the records with their sizes filled in (so bucket placement
-    opens no file), the ids (None: unreadable), and the unreadable images' names."""
+    opens no file) and the ids (None: unreadable)."""
     ids = ImageIds(cache_dir(config))
     result = [ids.lookup(record) for record in records]
     todo = [index for index, image_id in enumerate(result) if image_id is None]
@@ -136,12 +136,11 @@ def identify_images(
     for part in gather_to_all(mine):
         for index, image_id in part.items():
             result[index] = image_id
-    unreadable = sorted({str(records[i].image_path) for i in todo if result[i] is None})
     sized = [
         record if image_id is None else replace(record, size=(image_id.height, image_id.width))
         for record, image_id in zip(records, result, strict=True)
     ]
-    return sized, result, unreadable
+    return sized, result
 
 
 @dataclass

@@ -84,7 +84,7 @@ class Trainer:
 
         self.records, image_ids = load_records(config), None
         if config.cache.on_disk:
-            self.records, image_ids, _ = identify_images(config, self.records)
+            self.records, image_ids = identify_images(config, self.records)
         self.bucket_of = place_in_buckets(config, self.records, self.run_dir)
         self.total_steps = count_total_steps(config, len(self.records), self.bucket_of)
         self.models = load_model(config)
@@ -364,7 +364,7 @@ def cache_data(config: Config) -> CacheReport:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         precision = resolve_precision(config.train.mixed_precision, device)
-        records, image_ids, _ = identify_images(config, load_records(config), rank, world)
+        records, image_ids = identify_images(config, load_records(config), rank, world)
         bucket_of = place_in_buckets(config, records, None)
         models = load_model(config).to(device)
         for module in (models.vae, models.text_encoder, models.text_encoder_2):
