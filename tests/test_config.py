@@ -28,7 +28,7 @@ MALFORMED = [
     (
         "train.mixed_precision",
         "fp8",
-        "train.mixed_precision: input should be 'auto', 'bf16' or 'fp32'",
+        "train.mixed_precision: input should be 'auto', 'bf16', 'fp32' or 'pure_bf16'",
     ),
     ("data.resolution", 100, "data.resolution: must be a multiple of 8"),
     ("data.crop", "top", "data.crop: input should be 'center' or 'random'"),

@@ -7,6 +7,7 @@ against the registries that hold that code, so a typo fails at load time with th
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -457,13 +458,64 @@ class OptimConfig(Section):
         return self
 
 
+BLOCK_NAME = r"^(down\.\d+|mid|up\.\d+)$"
+
+
+class MemoryConfig(Section):
+    """How the UNet step trades memory for speed (docs/speed-memory.md)."""
+
+    gradient_checkpointing: Literal["none", "all"] | list[str] = Field(
+        "none",
+        description="recompute activations in backward: none, all, or a list of UNet blocks "
+        "such as [down.1, mid, up.0]",
+    )
+    attention: Literal["sdpa", "flash", "efficient", "math"] = Field(
+        "sdpa",
+        description="scaled-dot-product attention kernel: sdpa lets PyTorch choose; flash / "
+        "efficient / math force one (an error where it cannot run)",
+    )
+    channels_last: bool = Field(False, description="UNet convolutions in NHWC memory format")
+    compile: Literal["none", "blocks", "unet"] = Field(
+        "none", description="torch.compile each UNet block (regional: fast to compile) or all"
+    )
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = Field(
+        "default", description="reduce-overhead uses CUDA graphs"
+    )
+    compile_backend: str = Field("inductor", description="torch.compile backend")
+    fused_backward: bool = Field(
+        False,
+        description="step each parameter in its gradient hook, so full gradients never coexist "
+        "(needs grad_accum_steps 1 and optim.max_grad_norm null)",
+    )
+    offload_blocks: bool = Field(
+        False, description="keep UNet blocks in CPU memory, streamed to the GPU when used"
+    )
+    resident_blocks: int = Field(0, ge=0, description="offload: blocks that stay on the GPU")
+    vae_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="the VAE's weights (fp16 overflows in SDXL's VAE; not offered)"
+    )
+
+    @field_validator("gradient_checkpointing")
+    @classmethod
+    def _block_names(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list):
+            bad = [name for name in value if not re.match(BLOCK_NAME, name)]
+            if bad:
+                raise ValueError(f"unknown UNet block {bad[0]!r}; name blocks down.N, mid or up.N")
+        return value
+
+
 class TrainConfig(Section):
     output_dir: str = "runs/default"
     seed: int = Field(0, ge=0)
     max_steps: int | None = Field(None, ge=1, description="optimizer steps")
     max_epochs: int | None = Field(None, ge=1)
     grad_accum_steps: int = Field(1, ge=1)
-    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    mixed_precision: Literal["auto", "bf16", "fp32", "pure_bf16"] = Field(
+        "auto",
+        description="auto: bf16 autocast where native, else fp32; bf16: autocast with fp32 "
+        "weights; pure_bf16: bf16 weights (optim adamw_bf16_sr or adafactor)",
+    )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     max_nonfinite_steps: int = Field(
         5, ge=1, description="stop after this many non-finite steps in a row"
@@ -516,6 +568,9 @@ class LogConfig(Section):
     progress_bar: bool = True
 
 
+PURE_BF16_OPTIMIZERS = ("adamw_bf16_sr", "adafactor")
+
+
 class Config(Section):
     """A whole run. Sections mirror the architecture (DESIGN §3, §4)."""
 
@@ -528,6 +583,7 @@ class Config(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     log: LogConfig = Field(default_factory=LogConfig)
@@ -540,6 +596,28 @@ class Config(Section):
             raise ValueError(
                 f"sample.sampler: {self.sample.sampler!r} cannot sample a flow model; "
                 f"flow samplers: {', '.join(sorted(FLOW_SAMPLERS))}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _memory_options_fit(self) -> Config:
+        memory = self.memory
+        if memory.fused_backward and self.train.grad_accum_steps != 1:
+            raise ValueError(
+                "memory.fused_backward steps while gradients arrive; set train.grad_accum_steps: 1"
+            )
+        if memory.fused_backward and self.optim.max_grad_norm is not None:
+            raise ValueError(
+                "memory.fused_backward cannot clip by the global gradient norm (it is known only "
+                "after every step); set optim.max_grad_norm: null"
+            )
+        if (
+            self.train.mixed_precision == "pure_bf16"
+            and self.optim.name not in PURE_BF16_OPTIMIZERS
+        ):
+            raise ValueError(
+                f"train.mixed_precision: pure_bf16 needs an optimizer that updates bf16 weights "
+                f"without losing small steps: optim.name {' or '.join(PURE_BF16_OPTIMIZERS)}"
             )
         return self
 

@@ -29,7 +29,7 @@ def resolve_precision(mixed_precision: str, device: torch.device) -> torch.dtype
     """The autocast dtype, or None for plain fp32."""
     if mixed_precision == "fp32":
         return None
-    if mixed_precision == "bf16":
+    if mixed_precision in ("bf16", "pure_bf16"):
         return torch.bfloat16
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     return torch.bfloat16 if native_bf16 else None

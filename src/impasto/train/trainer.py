@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,7 +35,14 @@ from impasto.logging import MetricsLogger
 from impasto.models import load_model
 from impasto.objectives.objective import Objective
 from impasto.train.disk_cache import CacheReport, fill_cache, identify_images
+from impasto.train.fused import FusedBackwardOptimizer
 from impasto.train.memo import EncodingMemo
+from impasto.train.memory import (
+    apply_memory_options,
+    attention_context,
+    combined,
+    set_weight_dtypes,
+)
 from impasto.train.optim import OPTIMIZERS, lr_multiplier, set_lr
 from impasto.train.parts import (
     init_adapters_from_kohya,
@@ -54,7 +62,7 @@ from impasto.train.state import (
 from impasto.train.step import training_step
 from impasto.train.validation import write_validation_grid
 
-MicroBatches = Iterator[tuple[Batch | None, tuple[int, int]]]
+MicroBatches = Iterator[tuple[Batch, tuple[int, int]]]
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,9 @@ class Trainer:
         self.run_dir = prepare_run_dir(config, resume)
         device = resolve_device(config.train.device)
         precision = resolve_precision(config.train.mixed_precision, device)
-        self.autocast = autocast_factory(device, precision)
+        self.autocast = combined(
+            autocast_factory(device, precision), attention_context(config.memory.attention)
+        )
         torch.manual_seed(config.train.seed)
 
         self.records, image_ids = load_records(config), None
@@ -93,7 +103,9 @@ class Trainer:
             count = init_adapters_from_kohya(self.trainable, config.lora)
             print(f"impasto: started {count} LoRA layers from {config.lora.init_from}")
         set_train_mode(self.trainable, self.models)
+        set_weight_dtypes(self.models, config.train.mixed_precision, config.memory.vae_dtype)
         self.models.to(device)
+        apply_memory_options(self.models.unet, config.memory)
         self.encodings = None
         if config.cache.on_disk:
             self.encodings, cache_report = fill_cache(
@@ -104,7 +116,9 @@ class Trainer:
         self.train_text = trains_text_encoders(config)
         groups = param_groups(self.trainable)
         self.params = [param for group in groups for param in group["params"]]
-        self.optimizer = OPTIMIZERS[config.optim.name](groups, config.optim)
+        build = partial(OPTIMIZERS[config.optim.name], config=config.optim)
+        self.fused = FusedBackwardOptimizer(groups, build) if config.memory.fused_backward else None
+        self.optimizer = self.fused or build(groups)
         self.objective = Objective.from_config(config.objective)
         self.memo = EncodingMemo.from_config(config)
         self.bad_data = BadDataLog(self.run_dir / BAD_DATA_FILE)
@@ -226,17 +240,27 @@ class Trainer:
         return total_loss / accum, num_samples
 
     def apply_gradients(self) -> float:
-        """Clip, then step unless the gradient is non-finite (DESIGN §6). Returns the grad norm."""
+        """Clip, then step unless the gradient is non-finite (DESIGN §6). Returns the grad norm.
+
+        With fused backward the parameters already stepped inside backward; this only reads the
+        norm and counts non-finite gradients (zeroed there, see :mod:`impasto.train.fused`)."""
         state = self.state
-        max_norm = self.config.optim.max_grad_norm or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
+        if self.fused is not None:
+            grad_norm, nonfinite = self.fused.finish_step()
+            finite = nonfinite == 0
+        else:
+            max_norm = self.config.optim.max_grad_norm or math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
+            finite = math.isfinite(grad_norm)
+            if finite:
+                self.optimizer.step()
+        if finite:
             state.nonfinite_in_row = 0
         else:
             state.nonfinite_in_row += 1
             state.steps_skipped += 1
-            print(f"impasto: step {state.step + 1}: non-finite gradient, step skipped")
+            how = "zeroed" if self.fused is not None else "step skipped"
+            print(f"impasto: step {state.step + 1}: non-finite gradient, {how}")
             if state.nonfinite_in_row >= self.config.train.max_nonfinite_steps:
                 raise FloatingPointError(
                     f"{state.nonfinite_in_row} non-finite steps in a row; stopping with the last "

@@ -1,0 +1,153 @@
+"""Memory and speed options change how the step runs, not what it computes: fused backward,
+per-block gradient checkpointing, SDPA kernel choice, channels-last, regional compile."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from impasto.config import build_config
+from impasto.models.presets import build_tiny
+from impasto.train.fused import FusedBackwardOptimizer
+from impasto.train.memory import (
+    attention_context,
+    compile_unet,
+    set_gradient_checkpointing,
+    unet_blocks,
+)
+from impasto.train.optim import OPTIMIZERS
+from impasto.train.trainer import train
+
+
+def unet_loss(unet, seed: int = 5) -> torch.Tensor:
+    """An SDXL-shaped call of the tiny UNet and an MSE loss against a fixed target."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 8, 8, generator=generator)
+    context = torch.randn(2, 77, 64, generator=generator)
+    added = {"text_embeds": torch.randn(2, 32, generator=generator), "time_ids": torch.ones(2, 6)}
+    target = torch.randn(2, 4, 8, 8, generator=generator)
+    out = unet(x, torch.tensor([500, 20]), context, added_cond_kwargs=added).sample
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def loss_and_grads(unet) -> tuple[float, dict[str, torch.Tensor]]:
+    unet.zero_grad(set_to_none=True)
+    loss = unet_loss(unet)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in unet.named_parameters()}
+
+
+def assert_same(a: tuple, b: tuple, atol: float = 0.0) -> None:
+    assert a[0] == pytest.approx(b[0], abs=atol, rel=0)
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], rtol=0, atol=atol, msg=name)
+
+
+def test_fused_backward_equals_the_unfused_step() -> None:
+    reference, fused = build_tiny(0).unet, build_tiny(0).unet
+    config = build_config(
+        {"model": {"preset": "tiny"}, "data": {"path": "x"}, "train": {"max_steps": 1}}
+    ).optim
+    plain = OPTIMIZERS["adamw"](reference.parameters(), config)
+    hooked = FusedBackwardOptimizer(
+        [{"params": list(fused.parameters()), "lr": 1e-3}],
+        lambda groups: OPTIMIZERS["adamw"](groups, config),
+    )
+    for group in plain.param_groups:
+        group["lr"] = 1e-3
+    for step in range(3):
+        unet_loss(reference, seed=step).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf).item()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        unet_loss(fused, seed=step).backward()
+        fused_norm, nonfinite = hooked.finish_step()
+        assert nonfinite == 0 and fused_norm == pytest.approx(norm, rel=1e-5)
+        assert all(p.grad is None for p in fused.parameters())  # freed inside backward
+    for (name, a), b in zip(reference.named_parameters(), fused.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    state = hooked.state_dict()
+    again = FusedBackwardOptimizer(
+        [{"params": list(build_tiny(0).unet.parameters()), "lr": 1e-3}],
+        lambda groups: OPTIMIZERS["adamw"](groups, config),
+    )
+    again.load_state_dict(state)
+    assert again.optimizers[3].state_dict()["state"][0]["step"] == 3
+    with pytest.raises(ValueError, match="same memory.fused_backward setting"):
+        again.load_state_dict(plain.state_dict())
+
+
+def test_fused_backward_zeroes_and_counts_a_non_finite_gradient() -> None:
+    unet = build_tiny(0).unet
+    weight = unet.conv_in.weight
+    before = weight.detach().clone()
+    hooked = FusedBackwardOptimizer(
+        [{"params": [weight], "lr": 1e-3}],
+        lambda groups: torch.optim.SGD(groups, lr=1e-3),
+    )
+    (unet_loss(unet) * weight.sum() * float("inf")).backward()
+    norm, nonfinite = hooked.finish_step()
+    assert nonfinite == 1 and norm == 0.0
+    assert torch.equal(weight.detach(), before)  # SGD with a zero gradient: unchanged
+
+
+def test_a_fused_run_trains_like_an_unfused_one(tmp_path, demo_folder) -> None:
+    raw = {
+        "model": {"preset": "tiny"},
+        "data": {"path": str(demo_folder), "resolution": 64, "batch_size": 2},
+        "optim": {"lr": 1e-3, "max_grad_norm": None},
+        "train": {"output_dir": str(tmp_path / "plain"), "max_steps": 3, "seed": 1},
+        "log": {"tensorboard": False, "progress_bar": False},
+    }
+    fused = copy.deepcopy(raw)
+    fused["memory"] = {"fused_backward": True}
+    fused["train"]["output_dir"] = str(tmp_path / "fused")
+    runs = [train(build_config(settings)).run_dir for settings in (raw, fused)]
+    a, b = (load_file(run / "checkpoints/step-00000003/unet.safetensors") for run in runs)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    fused["train"]["grad_accum_steps"] = 2
+    with pytest.raises(ValueError, match="set train.grad_accum_steps: 1"):
+        build_config(fused)
+    fused["train"]["grad_accum_steps"] = 1
+    fused["optim"]["max_grad_norm"] = 1.0
+    with pytest.raises(ValueError, match="set optim.max_grad_norm: null"):
+        build_config(fused)
+
+
+def test_gradient_checkpointing_of_chosen_blocks_keeps_loss_and_gradients() -> None:
+    reference = loss_and_grads(build_tiny(0).unet)
+    unet = build_tiny(0).unet
+    assert set_gradient_checkpointing(unet, ["down.1", "up.0"]) == ["down.1", "up.0"]
+    flags = {name: block.gradient_checkpointing for name, block in unet_blocks(unet).items()}
+    assert flags == {"down.0": False, "down.1": True, "mid": False, "up.0": True, "up.1": False}
+    assert_same(loss_and_grads(unet), reference)
+    with pytest.raises(ValueError, match="no block 'up.7'; its blocks: down.0, down.1, mid"):
+        set_gradient_checkpointing(unet, ["up.7"])
+    everything = build_tiny(0).unet
+    set_gradient_checkpointing(everything, "all")
+    assert_same(loss_and_grads(everything), reference)
+
+
+def test_math_attention_channels_last_and_regional_compile_keep_the_result() -> None:
+    reference = loss_and_grads(build_tiny(0).unet)
+    with attention_context("math")():
+        assert_same(loss_and_grads(build_tiny(0).unet), reference, atol=1e-6)
+    unet = build_tiny(0).unet.to(memory_format=torch.channels_last)
+    assert_same(loss_and_grads(unet), reference, atol=1e-5)
+    compiled = build_tiny(0).unet
+    keys = list(compiled.state_dict())
+    compile_unet(compiled, "blocks", "default", "aot_eager")
+    assert list(compiled.state_dict()) == keys  # checkpoints and exports are unchanged
+    assert_same(loss_and_grads(compiled), reference, atol=1e-5)
+
+
+def test_memory_config_errors_are_one_line() -> None:
+    base = {"model": {"preset": "tiny"}, "data": {"path": "x"}, "train": {"max_steps": 1}}
+    with pytest.raises(ValueError, match="unknown UNet block 'left.1'"):
+        build_config({**base, "memory": {"gradient_checkpointing": ["left.1"]}})
+    with pytest.raises(ValueError, match="pure_bf16 needs an optimizer"):
+        build_config({**base, "train": {"max_steps": 1, "mixed_precision": "pure_bf16"}})
