@@ -225,3 +225,41 @@ def test_mismatched_state_and_bad_options_raise() -> None:
         EMA([("a", nn.Parameter(torch.zeros(1)))], decay=1.5)
     with pytest.raises(ValueError, match="1-based"):
         ema.update(0)
+
+
+def test_a_training_run_keeps_saves_and_resumes_its_ema(tmp_path, demo_folder) -> None:
+    import copy
+
+    from safetensors.torch import load_file
+
+    from impasto.config import build_config
+    from impasto.models import load_model
+    from impasto.train.trainer import train
+
+    raw = {
+        "model": {"preset": "tiny"},
+        "data": {"path": str(demo_folder), "resolution": 64, "batch_size": 2},
+        "optim": {"lr": 1e-3},
+        "ema": {"enabled": True, "decay": 0.5},
+        "train": {"output_dir": str(tmp_path / "straight"), "max_steps": 3, "seed": 1},
+        "checkpoint": {"every_steps": 1, "keep_last": 3},
+        "log": {"tensorboard": False, "progress_bar": False},
+    }
+    config = build_config(raw)
+    run = train(config).run_dir
+    shadow = {f"unet.{k}": v.float() for k, v in load_model(config).unet.state_dict().items()}
+    for step in (1, 2, 3):  # shadow_k = d * shadow_(k-1) + (1 - d) * weights_k
+        weights = load_file(run / f"checkpoints/step-{step:08d}/unet.safetensors")
+        shadow = {k: 0.5 * v + 0.5 * weights[k.removeprefix("unet.")] for k, v in shadow.items()}
+    saved = load_file(run / "checkpoints/step-00000003/ema.safetensors")
+    assert saved.keys() == shadow.keys()
+    for name, value in shadow.items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-6, atol=1e-7)
+
+    resumed = copy.deepcopy(raw)
+    resumed["train"].update(output_dir=str(tmp_path / "resumed"), max_steps=2)
+    train(build_config(resumed))
+    resumed["train"]["max_steps"] = 3
+    again = train(build_config(resumed)).run_dir
+    other = load_file(again / "checkpoints/step-00000003/ema.safetensors")
+    assert all(torch.equal(saved[name], other[name]) for name in saved)

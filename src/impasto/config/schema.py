@@ -505,6 +505,23 @@ class MemoryConfig(Section):
         return value
 
 
+class EmaConfig(Section):
+    """An exponential moving average of the trained weights (docs/speed-memory.md)."""
+
+    enabled: bool = False
+    decay: float = Field(0.9999, ge=0, lt=1)
+    warmup: Literal["none", "power"] = Field(
+        "none", description="power: decay min(decay, 1 - (1 + t/inv_gamma)^-power) (k-diffusion)"
+    )
+    inv_gamma: float = Field(1.0, gt=0)
+    power: float = Field(2 / 3, gt=0)
+    update_every: int = Field(1, ge=1, description="update every N steps (with decay^N)")
+    device: Literal["cpu", "same"] = Field(
+        "cpu", description="where the fp32 shadow weights live: cpu (saves GPU memory) or same"
+    )
+    sample_with_ema: bool = Field(True, description="validation samples use the EMA weights")
+
+
 class TrainConfig(Section):
     output_dir: str = "runs/default"
     seed: int = Field(0, ge=0)
@@ -584,6 +601,7 @@ class Config(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    ema: EmaConfig = Field(default_factory=EmaConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     log: LogConfig = Field(default_factory=LogConfig)

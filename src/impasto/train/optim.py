@@ -8,29 +8,130 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from impasto.train.sr_adamw import AdamWBF16
 
 if TYPE_CHECKING:
     from impasto.config.schema import OptimConfig
 
 
 def build_adamw(params: Iterable, config: OptimConfig) -> torch.optim.Optimizer:
-    """Decoupled weight decay Adam (Loshchilov & Hutter, arXiv:1711.05101)."""
+    """Decoupled weight decay Adam (Loshchilov & Hutter, arXiv:1711.05101).
+
+    Fused (one kernel for all tensors) when every parameter is on CUDA, foreach otherwise.
+    """
+    groups = _as_groups(params)
+    on_cuda = _all_on_cuda(groups)
     return torch.optim.AdamW(
+        groups,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        foreach=not on_cuda,
+        fused=on_cuda,
+    )
+
+
+def build_adamw_bf16_sr(params: Iterable, config: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW with fp32 moments and stochastic rounding into bf16 weights (``sr_adamw``)."""
+    return AdamWBF16(
         params,
         lr=config.lr,
         betas=config.betas,
         eps=config.eps,
         weight_decay=config.weight_decay,
-        foreach=True,
     )
 
 
-# name → builder(params or param groups, optim config); issue #7 adds bf16 SR AdamW and 8-bit.
+def build_adafactor(params: Iterable, config: OptimConfig) -> torch.optim.Optimizer:
+    """Adafactor with a fixed LR (Shazeer & Stern, arXiv:1804.04235), no first moment.
+
+    The schedule stays ours (``relative_step=False``) and the update is not scaled by the
+    weight's RMS; ``betas`` and ``eps`` do not apply (its eps pair has another meaning).
+    """
+    from transformers.optimization import Adafactor
+
+    return Adafactor(
+        params,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        relative_step=False,
+        scale_parameter=False,
+        warmup_init=False,
+    )
+
+
+def build_adamw_8bit(params: Iterable, config: OptimConfig) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW with block-wise 8-bit moments (Dettmers et al., arXiv:2110.02861)."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise ValueError(
+            "optim.name adamw_8bit needs bitsandbytes: pip install impasto[bnb]"
+        ) from None
+    groups = _as_groups(params)
+    if not _all_on_cuda(groups):
+        raise ValueError("optim.name adamw_8bit needs a CUDA GPU (train.device cuda)")
+    return bitsandbytes.optim.AdamW8bit(
+        groups,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+
+
+def build_prodigy(params: Iterable, config: OptimConfig) -> torch.optim.Optimizer:
+    """Prodigy, Adam that estimates its own step size (Mishchenko & Defazio, arXiv:2306.06101).
+
+    ``lr`` multiplies the estimate: use 1.0. Weight decay is decoupled, as in AdamW.
+    """
+    groups = _as_groups(params)
+    lrs = {group["lr"] for group in groups if "lr" in group and group["lr"] != 0}
+    if len(lrs) > 1:
+        raise ValueError(
+            f"optim.name prodigy needs one lr for all parts, got {sorted(lrs)}; unset parts.*_lr"
+        )
+    try:
+        from prodigyopt import Prodigy
+    except ImportError:
+        raise ValueError(
+            "optim.name prodigy needs prodigyopt: pip install impasto[prodigy]"
+        ) from None
+    return Prodigy(
+        groups,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        decouple=True,
+    )
+
+
+def _as_groups(params: Iterable) -> list[dict[str, Any]]:
+    """Param groups as a list of dicts (a plain iterable of tensors becomes one group)."""
+    items = list(params)
+    if items and isinstance(items[0], dict):
+        return items
+    return [{"params": items}]
+
+
+def _all_on_cuda(groups: list[dict[str, Any]]) -> bool:
+    params = [param for group in groups for param in group["params"]]
+    return bool(params) and all(param.is_cuda for param in params)
+
+
+# name → builder(params or param groups, optim config). docs/optimizers.md compares them.
 OPTIMIZERS: dict[str, Callable[[Iterable, OptimConfig], torch.optim.Optimizer]] = {
     "adamw": build_adamw,
+    "adamw_bf16_sr": build_adamw_bf16_sr,
+    "adafactor": build_adafactor,
+    "adamw_8bit": build_adamw_8bit,
+    "prodigy": build_prodigy,
 }
 
 

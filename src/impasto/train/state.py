@@ -16,10 +16,12 @@ from impasto.checkpoint import CheckpointData, latest_checkpoint, load_checkpoin
 from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_diff, config_hash, config_to_dict, config_to_yaml
 from impasto.logging import METRICS_FILE
+from impasto.train.ema import EMA
 from impasto.train.parts import Part, load_part_weights
 from impasto.train.rng import capture_rng_state, restore_rng_state
 
 CHECKPOINTS = "checkpoints"
+EMA_FILE = "ema"  # ema.safetensors (the shadow weights) and ema.pt (options, update count)
 
 
 @dataclass
@@ -65,7 +67,9 @@ def save_train_checkpoint(
     state: TrainState,
     modules: dict[str, Part],
     optimizer: torch.optim.Optimizer,
+    ema: EMA | None = None,
 ) -> Path:
+    """Write a complete checkpoint of the run (``ema.safetensors`` too when EMA is on)."""
     data = CheckpointData(
         tensors={name: module.state_dict() for name, module in modules.items()},
         objects={"optimizer": optimizer.state_dict(), "rng": capture_rng_state()},
@@ -78,6 +82,10 @@ def save_train_checkpoint(
         texts={"config.yaml": _config_text(config)},
         metadata={"unet": model_metadata(config)},
     )
+    if ema is not None:
+        ema_state = ema.state_dict()
+        data.tensors[EMA_FILE] = ema_state.pop("shadows")
+        data.objects[EMA_FILE] = ema_state
     return save_checkpoint(run_dir / CHECKPOINTS, state.step, data, config.checkpoint.keep_last)
 
 
@@ -86,6 +94,7 @@ def restore_train_checkpoint(
     config: Config,
     modules: dict[str, Part],
     optimizer: torch.optim.Optimizer,
+    ema: EMA | None = None,
 ) -> tuple[TrainState, Path] | None:
     """Load the newest complete checkpoint of ``run_dir`` into the live objects, if any."""
     path = latest_checkpoint(run_dir / CHECKPOINTS)
@@ -94,6 +103,13 @@ def restore_train_checkpoint(
     data = load_checkpoint(path)
     load_part_weights(modules, data.tensors, f"checkpoint {path}")
     optimizer.load_state_dict(data.objects["optimizer"])
+    if ema is not None:
+        if EMA_FILE not in data.tensors:
+            raise ValueError(
+                f"checkpoint {path}: no EMA weights (ema.enabled was off); set it off to resume, "
+                "or start over with --no-resume"
+            )
+        ema.load_state_dict({"shadows": data.tensors[EMA_FILE], **data.objects[EMA_FILE]})
     restore_rng_state(data.objects["rng"])
     saved = yaml.safe_load(data.texts.get("config.yaml", "")) or {}
     changes = config_diff(saved, config_to_dict(config))

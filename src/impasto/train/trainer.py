@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -35,6 +37,7 @@ from impasto.logging import MetricsLogger
 from impasto.models import load_model
 from impasto.objectives.objective import Objective
 from impasto.train.disk_cache import CacheReport, fill_cache, identify_images
+from impasto.train.ema import EMA
 from impasto.train.fused import FusedBackwardOptimizer
 from impasto.train.memo import EncodingMemo
 from impasto.train.memory import (
@@ -45,6 +48,7 @@ from impasto.train.memory import (
 )
 from impasto.train.optim import OPTIMIZERS, lr_multiplier, set_lr
 from impasto.train.parts import (
+    Part,
     init_adapters_from_kohya,
     param_groups,
     prepare_parts,
@@ -121,13 +125,14 @@ class Trainer:
         self.optimizer = self.fused or build(groups)
         self.objective = Objective.from_config(config.objective)
         self.memo = EncodingMemo.from_config(config)
+        self.ema = build_ema(config, self.trainable)
         self.bad_data = BadDataLog(self.run_dir / BAD_DATA_FILE)
 
         self.state, self.last_checkpoint = TrainState(), None
         restored = None
         if resume:
             restored = restore_train_checkpoint(
-                self.run_dir, config, self.trainable, self.optimizer
+                self.run_dir, config, self.trainable, self.optimizer, self.ema
             )
         if restored is not None:
             self.state, self.last_checkpoint = restored
@@ -160,15 +165,16 @@ class Trainer:
                     metrics.log(state.step, values)
                     progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
                 if self.should_sample():
-                    path, grid = write_validation_grid(
-                        config, self.models, self.run_dir, state.step
-                    )
+                    with self.sampling_weights():
+                        path, grid = write_validation_grid(
+                            config, self.models, self.run_dir, state.step
+                        )
                     metrics.log_image("samples", grid, state.step)
                     progress.write(f"impasto: samples at step {state.step}: {path}")
                 interrupted = stop.requested
                 if self.should_save() or interrupted:
                     self.last_checkpoint = save_train_checkpoint(
-                        self.run_dir, config, state, self.trainable, self.optimizer
+                        self.run_dir, config, state, self.trainable, self.optimizer, self.ema
                     )
         progress.close()
         metrics.close()
@@ -195,6 +201,8 @@ class Trainer:
         loss, num_samples = self.accumulate_gradients()
         grad_norm = self.apply_gradients()
         state.step += 1
+        if self.ema is not None:
+            self.ema.update(state.step)
         state.samples_seen += num_samples
         if state.step % config.log.every_steps and state.step != self.total_steps:
             return None
@@ -280,6 +288,12 @@ class Trainer:
                 "then remove or fix the broken files"
             )
 
+    def sampling_weights(self) -> AbstractContextManager:
+        """The weights validation samples use: the EMA's (``ema.sample_with_ema``) or live."""
+        if self.ema is not None and self.config.ema.sample_with_ema:
+            return self.ema.swapped()
+        return contextlib.nullcontext()
+
     def should_sample(self) -> bool:
         every = self.config.sample.every_steps
         return every > 0 and (self.state.step % every == 0 or self.state.step == self.total_steps)
@@ -287,6 +301,20 @@ class Trainer:
     def should_save(self) -> bool:
         final = self.state.step == self.total_steps and self.config.checkpoint.save_final
         return final or self.state.step % self.config.checkpoint.every_steps == 0
+
+
+def build_ema(config: Config, parts: dict[str, Part]) -> EMA | None:
+    """The EMA of every trained parameter (``ema.enabled``), named ``part.parameter``."""
+    ema = config.ema
+    if not ema.enabled:
+        return None
+    named = [
+        (f"{name}.{param_name}", param)
+        for name, part in parts.items()
+        for param_name, param in part.module.named_parameters()
+        if param.requires_grad
+    ]
+    return EMA(named, ema.decay, ema.warmup, ema.inv_gamma, ema.power, ema.update_every, ema.device)
 
 
 def load_records(config: Config) -> list[ImageRecord]:
