@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from impasto.cli import main
 from impasto.config import build_config
 from impasto.train import state as state_module
-from impasto.train import trainer as trainer_module
+from impasto.train import setup as step_setup
 from impasto.train.trainer import train
 
 
@@ -161,7 +161,7 @@ def test_sigterm_saves_after_the_step_and_resume_matches(
     tmp_path, demo_folder, straight_run, monkeypatch
 ):
     raw = _raw(demo_folder, tmp_path / "run")
-    real_step = trainer_module.training_step
+    real_step = step_setup.training_step
     calls = []
 
     def step_then_signal(*args, **kwargs):
@@ -170,7 +170,7 @@ def test_sigterm_saves_after_the_step_and_resume_matches(
             os.kill(os.getpid(), signal.SIGTERM)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "training_step", step_then_signal)
+    monkeypatch.setattr(step_setup, "training_step", step_then_signal)
     stopped = train(build_config(raw))
     assert stopped.interrupted and stopped.state.step == 3
     assert stopped.last_checkpoint.name == "step-00000003"
@@ -250,7 +250,7 @@ def test_bf16_autocast_path_runs_on_cpu(tmp_path, demo_folder, straight_run):
 def test_nonfinite_gradients_skip_steps_then_stop(tmp_path, demo_folder, monkeypatch):
     raw = _raw(demo_folder, tmp_path / "run", max_steps=6, max_nonfinite_steps=2)
     raw["checkpoint"]["every_steps"] = 2
-    real_step = trainer_module.training_step
+    real_step = step_setup.training_step
     calls = []
 
     def poisoned(*args, **kwargs):
@@ -260,7 +260,7 @@ def test_nonfinite_gradients_skip_steps_then_stop(tmp_path, demo_folder, monkeyp
             return type(out)(out.loss * float("nan"), out.per_sample_loss, out.timesteps)
         return out
 
-    monkeypatch.setattr(trainer_module, "training_step", poisoned)
+    monkeypatch.setattr(step_setup, "training_step", poisoned)
     with pytest.raises(FloatingPointError, match="2 non-finite steps in a row"):
         train(build_config(raw))
     kept = _weights(tmp_path / "run", 4)

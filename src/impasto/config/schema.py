@@ -585,7 +585,7 @@ class LogConfig(Section):
     progress_bar: bool = True
 
 
-PURE_BF16_OPTIMIZERS = ("adamw_bf16_sr", "adafactor")
+PURE_BF16_OPTIMIZERS = ("adamw_bf16_sr",)  # Adafactor rounds bf16 weights to nearest
 
 
 class Config(Section):

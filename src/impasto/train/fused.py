@@ -42,7 +42,10 @@ class FusedBackwardOptimizer:
         for group in groups:
             options = {key: value for key, value in group.items() if key != "params"}
             for param in group["params"]:
-                optimizer = build([{**options, "params": [param]}])
+                # "seed": optimizers that round stochastically (adamw_bf16_sr) draw each
+                # parameter's stream from it, as they would from its index unfused.
+                index = len(self.optimizers)
+                optimizer = build([{**options, "params": [param], "seed": index}])
                 self.optimizers.append(optimizer)
                 hook = partial(self._step, optimizer)
                 self.handles.append(param.register_post_accumulate_grad_hook(hook))

@@ -66,6 +66,7 @@ class _Call:
     autocast: list[tuple[str, bool, torch.dtype]]
     autocast_cache: bool
     rng_states: tuple[Tensor, Tensor | None]
+    train_weights: list[bool] = field(default_factory=list)  # masters' requires_grad
     weights: list[Tensor] | None = None  # set only while forward runs
     out_spec: TreeSpec | None = None
     out_leaves: list = field(default_factory=list)  # non-tensor leaves; tensors → None
@@ -120,13 +121,17 @@ class BlockOffload:
         offloaded = set(by_size[resident:])
         self._pin = self.device.type == "cuda"
         self._blocks = [self._make_block(n, m) for n, m in ordered if n in offloaded]
-        self._place_rest(offloaded)
+        self._place_rest()
         self._h2d = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._d2h = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ready: dict[int, _Loaded] = {}  # block index → weights fetched ahead of use
         self._pending: list[tuple[nn.Parameter, Tensor]] = []  # (master, host gradient)
         self._grad_events: list[torch.cuda.Event] = []
         self._flush_task = -2  # id of the backward pass whose end flushes the gradients
+        # An input of every offloaded call that needs a gradient, so that its outputs do even
+        # when only the block's weights train. The masters themselves are no inputs: autograd
+        # would run their post-accumulate-grad hooks (fused backward) without a gradient.
+        self._anchor = torch.empty(0, requires_grad=True)
         for index, block in enumerate(self._blocks):
             block.module.forward = partial(self._block_forward, index)
         self._hook = unet.register_forward_pre_hook(self._start_forward)
@@ -186,18 +191,14 @@ class BlockOffload:
                 slots.append((owner, attribute, index_of[id(param)]))
         for master in masters:
             _move(master, torch.device("cpu"), pin=self._pin)
-        for buffer_owner in module.modules():  # buffers are small: they stay on the device
-            for key, buffer in buffer_owner._buffers.items():
-                if buffer is not None:
-                    buffer_owner._buffers[key] = buffer.to(self.device)
         return _Block(name, module, masters, slots, module.forward)
 
-    def _place_rest(self, offloaded: set[str]) -> None:
+    def _place_rest(self) -> None:
         inside = {id(p) for block in self._blocks for p in block.masters}
         for param in self.unet.parameters():
             if id(param) not in inside:
                 _move(param, self.device)
-        for owner in self.unet.modules():
+        for owner in self.unet.modules():  # buffers are small: all stay on the device
             for key, buffer in owner._buffers.items():
                 if buffer is not None:
                     owner._buffers[key] = buffer.to(self.device)
@@ -261,23 +262,28 @@ class BlockOffload:
                 return block.forward(*args, **kwargs)
         for i in positions:
             leaves[i] = None
-        call = _Call(index, leaves, spec, positions, *_autocast_state(self.device))
-        call.rng_states = _rng_states(self.device)
+        autocast, autocast_cache = _autocast_state(self.device)
+        call = _Call(
+            index, leaves, spec, positions, autocast, autocast_cache, _rng_states(self.device)
+        )
         call.weights = weights
-        outputs = _OffloadedBlock.apply(self, call, *inputs, *block.masters)
+        call.train_weights = [master.requires_grad for master in block.masters]
+        outputs = _OffloadedBlock.apply(self, call, self._anchor, *inputs)
         call.weights = None
         if index == len(self._blocks) - 1:  # backward starts with this block: keep it
             self._ready[index] = _Loaded(weights, None)
         flat = [leaf if slot is None else outputs[slot] for leaf, slot in _zip_out(call)]
         return tree_unflatten(flat, call.out_spec)
 
-    def _run(self, call: _Call, inputs: list[Tensor], weights: list[Tensor]) -> list[Tensor]:
-        """Run the block on ``inputs`` with ``weights``; its unique output tensors, in order."""
+    def _run(self, call: _Call, inputs: list[Tensor]) -> list[Tensor]:
+        """Run the block (weights swapped in) on ``inputs``; its unique output tensors."""
         leaves = list(call.leaves)
         for position, tensor in zip(call.tensor_positions, inputs, strict=True):
             leaves[position] = tensor
         args, kwargs = tree_unflatten(leaves, call.spec)
-        out_leaves, call.out_spec = tree_flatten(self._blocks[call.block_index].forward(*args, **kwargs))
+        out_leaves, call.out_spec = tree_flatten(
+            self._blocks[call.block_index].forward(*args, **kwargs)
+        )
         unique: list[Tensor] = []
         seen: dict[int, int] = {}
         call.out_leaves, call.out_slots = [], []
@@ -307,12 +313,15 @@ class BlockOffload:
         weights = self._take(call.block_index)
         self._prefetch(call.block_index - 1)
         num_inputs = len(inputs)
-        leaves = [x.detach().requires_grad_(need) for x, need in zip(inputs, needs, strict=False)]
-        leaves += [w.requires_grad_(need) for w, need in zip(weights, needs[num_inputs:], strict=True)]
+        needs_inputs = needs[:num_inputs]
+        leaves = [x.detach().requires_grad_(n) for x, n in zip(inputs, needs_inputs, strict=True)]
+        leaves += [
+            w.requires_grad_(need) for w, need in zip(weights, needs[num_inputs:], strict=True)
+        ]
         wrt = [leaf for leaf, need in zip(leaves, needs, strict=True) if need]
         with _swapped(block, leaves[num_inputs:]):  # diffusers' own checkpointing reads them
             with torch.enable_grad(), _autocast(call), _rng(call, self.device):
-                outputs = self._run(call, leaves[:num_inputs], leaves[num_inputs:])
+                outputs = self._run(call, leaves[:num_inputs])
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
             pairs = [(o, g) for o, g in pairs if o.requires_grad]
             found = [None] * len(wrt)
@@ -324,7 +333,7 @@ class BlockOffload:
         found_iter = iter(found)
         result = [next(found_iter) if need else None for need in needs]
         self._send_grads(block, result[num_inputs:])
-        return tuple(result[:num_inputs]) + (None,) * len(block.masters)
+        return tuple(result[:num_inputs])
 
     def _send_grads(self, block: _Block, grads: list[Tensor | None]) -> None:
         """Copy weight gradients into fresh (pinned) host tensors; added at the end of backward."""
@@ -356,27 +365,28 @@ class BlockOffload:
             else:
                 master.grad += host
         for master, _ in pending:  # e.g. fused backward's optimizer step, as autograd would
-            for hook in getattr(master, "_post_accumulate_grad_hooks", None) or {}.values():
+            for hook in (getattr(master, "_post_accumulate_grad_hooks", None) or {}).values():
                 hook(master)
 
 
 class _OffloadedBlock(torch.autograd.Function):
-    """One offloaded block call: inputs → outputs, with the CPU masters as extra inputs so that
-    autograd knows which of them need gradients (their gradients take another path)."""
+    """One offloaded block call: (anchor, *input tensors) → unique output tensors. Saves the
+    inputs only; backward recomputes the block (:meth:`BlockOffload._backward`)."""
 
     @staticmethod
-    def forward(ctx, offload: BlockOffload, call: _Call, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        ctx, offload: BlockOffload, call: _Call, anchor: Tensor, *inputs: Tensor
+    ) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.offload, ctx.call = offload, call
-        inputs = tensors[: len(call.tensor_positions)]
         ctx.save_for_backward(*inputs)
         with _swapped(offload._blocks[call.block_index], call.weights):
-            return tuple(offload._run(call, list(inputs), call.weights))
+            return tuple(offload._run(call, list(inputs)))
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        needs = ctx.needs_input_grad[2:]
-        return (None, None, *ctx.offload._backward(ctx.call, ctx.saved_tensors, grads, needs))
+        needs = (*ctx.needs_input_grad[3:], *ctx.call.train_weights)
+        return (None, None, None, *ctx.offload._backward(ctx.call, ctx.saved_tensors, grads, needs))
 
 
 # --- helpers ---
@@ -425,7 +435,9 @@ def _autocast(call: _Call) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for kind, enabled, dtype in call.autocast:
             stack.enter_context(
-                torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=call.autocast_cache)
+                torch.autocast(
+                    kind, dtype=dtype, enabled=enabled, cache_enabled=call.autocast_cache
+                )
             )
         yield
 

@@ -9,7 +9,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,27 +34,10 @@ from impasto.data.sources import hf_dataset_records, parquet_records, webdataset
 from impasto.distributed import process_group
 from impasto.logging import MetricsLogger
 from impasto.models import load_model
-from impasto.objectives.objective import Objective
 from impasto.train.disk_cache import CacheReport, fill_cache, identify_images
-from impasto.train.ema import EMA
-from impasto.train.fused import FusedBackwardOptimizer
-from impasto.train.memo import EncodingMemo
-from impasto.train.memory import (
-    apply_memory_options,
-    attention_context,
-    combined,
-    set_weight_dtypes,
-)
-from impasto.train.optim import OPTIMIZERS, lr_multiplier, set_lr
-from impasto.train.parts import (
-    Part,
-    init_adapters_from_kohya,
-    param_groups,
-    prepare_parts,
-    set_train_mode,
-    trains_text_encoders,
-)
+from impasto.train.optim import lr_multiplier, set_lr
 from impasto.train.precision import autocast_factory, resolve_device, resolve_precision
+from impasto.train.setup import build_step_setup
 from impasto.train.signals import StopRequest
 from impasto.train.state import (
     TrainState,
@@ -63,7 +45,6 @@ from impasto.train.state import (
     restore_train_checkpoint,
     save_train_checkpoint,
 )
-from impasto.train.step import training_step
 from impasto.train.validation import write_validation_grid
 
 MicroBatches = Iterator[tuple[Batch, tuple[int, int]]]
@@ -91,9 +72,6 @@ class Trainer:
         self.run_dir = prepare_run_dir(config, resume)
         device = resolve_device(config.train.device)
         precision = resolve_precision(config.train.mixed_precision, device)
-        self.autocast = combined(
-            autocast_factory(device, precision), attention_context(config.memory.attention)
-        )
         torch.manual_seed(config.train.seed)
 
         self.records, image_ids = load_records(config), None
@@ -101,31 +79,16 @@ class Trainer:
             self.records, image_ids = identify_images(config, self.records)
         self.bucket_of = place_in_buckets(config, self.records, self.run_dir)
         self.total_steps = count_total_steps(config, len(self.records), self.bucket_of)
-        self.models = load_model(config)
-        self.trainable = prepare_parts(config, self.models)  # adapters init from the seeded RNG
-        if config.lora.init_from:
-            count = init_adapters_from_kohya(self.trainable, config.lora)
-            print(f"impasto: started {count} LoRA layers from {config.lora.init_from}")
-        set_train_mode(self.trainable, self.models)
-        set_weight_dtypes(self.models, config.train.mixed_precision, config.memory.vae_dtype)
-        self.models.to(device)
-        apply_memory_options(self.models.unet, config.memory)
+        self.setup = setup = build_step_setup(config, device, precision)
+        self.models, self.trainable, self.optimizer = setup.models, setup.trainable, setup.optimizer
+        self.ema = setup.ema
         self.encodings = None
         if config.cache.on_disk:
             self.encodings, cache_report = fill_cache(
-                config, self.models, self.records, image_ids, self.bucket_of, self.autocast,
+                config, self.models, self.records, image_ids, self.bucket_of, setup.autocast,
                 str(precision),
             )  # fmt: skip
             print(f"impasto: {cache_report.format()}")
-        self.train_text = trains_text_encoders(config)
-        groups = param_groups(self.trainable)
-        self.params = [param for group in groups for param in group["params"]]
-        build = partial(OPTIMIZERS[config.optim.name], config=config.optim)
-        self.fused = FusedBackwardOptimizer(groups, build) if config.memory.fused_backward else None
-        self.optimizer = self.fused or build(groups)
-        self.objective = Objective.from_config(config.objective)
-        self.memo = EncodingMemo.from_config(config)
-        self.ema = build_ema(config, self.trainable)
         self.bad_data = BadDataLog(self.run_dir / BAD_DATA_FILE)
 
         self.state, self.last_checkpoint = TrainState(), None
@@ -233,48 +196,26 @@ class Trainer:
                 continue
             seed = derive_seed(config.train.seed, 0, state.step, micro)  # (seed, rank, step, micro)
             generator = torch.Generator().manual_seed(seed)
-            out = training_step(
-                self.models,
-                self.objective,
-                batch,
-                generator,
-                self.autocast,
-                self.memo,
-                train_text=self.train_text,
-            )
-            (out.loss / accum).backward()
-            total_loss += out.loss.detach()
+            total_loss += self.setup.micro_step(batch, generator, 1 / accum)
             num_samples += len(batch.captions)
         return total_loss / accum, num_samples
 
     def apply_gradients(self) -> float:
-        """Clip, then step unless the gradient is non-finite (DESIGN §6). Returns the grad norm.
-
-        With fused backward the parameters already stepped inside backward; this only reads the
-        norm and counts non-finite gradients (zeroed there, see :mod:`impasto.train.fused`)."""
+        """Clip, then step unless the gradient is non-finite (DESIGN §6). Returns the grad norm."""
         state = self.state
-        if self.fused is not None:
-            grad_norm, nonfinite = self.fused.finish_step()
-            finite = nonfinite == 0
-        else:
-            max_norm = self.config.optim.max_grad_norm or math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
-            finite = math.isfinite(grad_norm)
-            if finite:
-                self.optimizer.step()
+        grad_norm, finite = self.setup.update(self.config.optim.max_grad_norm)
         if finite:
             state.nonfinite_in_row = 0
-        else:
-            state.nonfinite_in_row += 1
-            state.steps_skipped += 1
-            how = "zeroed" if self.fused is not None else "step skipped"
-            print(f"impasto: step {state.step + 1}: non-finite gradient, {how}")
-            if state.nonfinite_in_row >= self.config.train.max_nonfinite_steps:
-                raise FloatingPointError(
-                    f"{state.nonfinite_in_row} non-finite steps in a row; stopping with the last "
-                    "checkpoint intact (lower optim.lr or check the data)"
-                )
-        self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm
+        state.nonfinite_in_row += 1
+        state.steps_skipped += 1
+        how = "zeroed" if self.setup.fused is not None else "step skipped"
+        print(f"impasto: step {state.step + 1}: non-finite gradient, {how}")
+        if state.nonfinite_in_row >= self.config.train.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"{state.nonfinite_in_row} non-finite steps in a row; stopping with the last "
+                "checkpoint intact (lower optim.lr or check the data)"
+            )
         return grad_norm
 
     def check_bad_fraction(self) -> None:
@@ -301,20 +242,6 @@ class Trainer:
     def should_save(self) -> bool:
         final = self.state.step == self.total_steps and self.config.checkpoint.save_final
         return final or self.state.step % self.config.checkpoint.every_steps == 0
-
-
-def build_ema(config: Config, parts: dict[str, Part]) -> EMA | None:
-    """The EMA of every trained parameter (``ema.enabled``), named ``part.parameter``."""
-    ema = config.ema
-    if not ema.enabled:
-        return None
-    named = [
-        (f"{name}.{param_name}", param)
-        for name, part in parts.items()
-        for param_name, param in part.module.named_parameters()
-        if param.requires_grad
-    ]
-    return EMA(named, ema.decay, ema.warmup, ema.inv_gamma, ema.power, ema.update_every, ema.device)
 
 
 def load_records(config: Config) -> list[ImageRecord]:
