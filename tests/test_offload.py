@@ -153,8 +153,21 @@ def test_combines_with_diffusers_gradient_checkpointing(unet: nn.Module) -> None
     loss, _, grads = forward_backward(copy.deepcopy(unet))
     offloaded_unet = copy.deepcopy(unet)
     offloaded_unet.enable_gradient_checkpointing()
+    masters = {
+        id(param) for _, block in execution_order(offloaded_unet) for param in block.parameters()
+    }
+    computed_with_masters = []
+
+    def check(module, args) -> None:  # also in diffusers' recomputation inside our backward
+        if any(id(param) in masters for param in module.parameters(recurse=False)):
+            computed_with_masters.append(module)
+
+    for _, block in execution_order(offloaded_unet):
+        for module in block.modules():
+            module.register_forward_pre_hook(check)
     BlockOffload(offloaded_unet, "cpu")
     offload_loss, _, offload_grads = forward_backward(offloaded_unet)
+    assert computed_with_masters == []
     assert torch.equal(offload_loss, loss)
     for name, grad in grads.items():
         torch.testing.assert_close(offload_grads[name], grad, rtol=1e-5, atol=ATOL, msg=name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -34,6 +34,27 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     report = cache_data(load_config(args.config, args.set or []))
     print(f"impasto: {report.format()}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from impasto.bench import format_report, run_bench
+
+    report = run_bench(
+        model=args.model,
+        resolution=args.resolution,
+        batch=args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        precision=args.precision,
+        variants=args.variants,
+        device=args.device,
+        overrides=args.set or [],
+    )
+    print(json.dumps(report) if args.json else format_report(report))
     return 0
 
 
@@ -96,14 +117,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     print(environment_report())
     return 0
-
-
-def not_yet(name: str, issue: int) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        print(f"impasto {name}: not implemented yet (tracked in issue #{issue})", file=sys.stderr)
-        return 1
-
-    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,10 +223,23 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("config", help="YAML config file (cache.latents / text_embeddings: disk)")
     cache.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value")
     cache.set_defaults(func=cmd_cache)
-    for name, issue, help_text in (("bench", 7, "synthetic speed and memory benchmark"),):
-        stub = sub.add_parser(name, help=f"{help_text} (not implemented yet: issue #{issue})")
-        stub.add_argument("rest", nargs=argparse.REMAINDER)
-        stub.set_defaults(func=not_yet(name, issue))
+    bench = sub.add_parser(
+        "bench", help="time the training step against the plain diffusers step (synthetic data)"
+    )
+    bench.add_argument("--model", default="tiny", help="model preset: tiny, sdxl (default tiny)")
+    bench.add_argument("--resolution", type=int, help="default: 64 for tiny, 1024 for sdxl")
+    bench.add_argument("--batch", type=int, default=2)
+    bench.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    bench.add_argument("--rounds", type=int, default=1, help="repeat all variants; median")
+    bench.add_argument("--precision", default="auto", help="auto | bf16 | fp32 | pure_bf16")
+    bench.add_argument("--device", default="auto")
+    bench.add_argument(
+        "--variants", nargs="+", default=["default"], help="named option sets (see docs)"
+    )
+    bench.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

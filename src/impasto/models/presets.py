@@ -116,7 +116,24 @@ def build_demo(seed: int = 0) -> SDXLComponents:
     return build_tiny(seed, text_initializer_factor=DEMO_TEXT_INITIALIZER_FACTOR)
 
 
-PRESETS: dict[str, Callable[[int], SDXLComponents]] = {"tiny": build_tiny, "demo": build_demo}
+def build_sdxl(seed: int = 0) -> SDXLComponents:
+    """SDXL 1.0 base's architecture, randomly initialised (benchmarks; 3.5 B parameters)."""
+    from impasto.models.single_file.configs import build_components, sdxl_base_configs
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        components = build_components(sdxl_base_configs())
+    for module in (components.unet, components.vae, components.text_encoder):
+        module.eval()
+    components.text_encoder_2.eval()
+    return components
+
+
+PRESETS: dict[str, Callable[[int], SDXLComponents]] = {
+    "tiny": build_tiny,
+    "demo": build_demo,
+    "sdxl": build_sdxl,
+}
 
 
 def build_preset(name: str, seed: int = 0) -> SDXLComponents:

@@ -36,8 +36,9 @@ class EncodingMemo:
     def posterior(self, models: SDXLComponents, batch: Batch) -> tuple[Tensor, Tensor]:
         """The VAE posterior's mean and std ``[B, C, h, w]`` of the batch's images."""
         vae = models.vae
-        if batch.latent_mean is not None:  # from the disk cache
-            return batch.latent_mean.to(vae.device).float(), batch.latent_std.to(vae.device).float()
+        if batch.latent_mean is not None:  # from the disk cache: straight to the UNet
+            device = models.unet.device
+            return batch.latent_mean.to(device).float(), batch.latent_std.to(device).float()
         if not self.latents:
             posterior = vae.encode(batch.pixel_values.to(vae.device, vae.dtype)).latent_dist
             return posterior.mean, posterior.std
@@ -59,8 +60,8 @@ class EncodingMemo:
     ) -> PromptEmbeds:
         """SDXL text conditioning of ``captions`` (see :func:`impasto.models.encode_prompts`);
         the batch's cached encodings (``cached``) when it has them."""
-        if cached is not None:
-            device, dtype = models.text_encoder_2.device, models.text_encoder_2.dtype
+        if cached is not None:  # from the disk cache: straight to the UNet, in its dtype
+            device, dtype = models.unet.device, models.unet.dtype
             return PromptEmbeds(cached[0].to(device, dtype), cached[1].to(device, dtype))
         if not self.text_embeddings:
             with autocast():

@@ -175,7 +175,7 @@ class BlockOffload:
 
     def _make_block(self, name: str, module: nn.Module) -> _Block:
         if getattr(module, "_compiled_call_impl", None) is not None:
-            raise ValueError(f"offload: block {name} is compiled; offload before compiling")
+            raise ValueError(f"offload: block {name} is compiled; offloaded blocks run eagerly")
         if "forward" in module.__dict__:
             raise ValueError(f"offload: block {name} already has a patched forward")
         masters: list[nn.Parameter] = []
@@ -242,11 +242,13 @@ class BlockOffload:
             self._discard(loaded)
         self._ready.clear()
 
+    @torch.compiler.disable  # a whole-UNet torch.compile breaks its graph here
     def _start_forward(self, module: nn.Module, args: tuple) -> None:
         self._prefetch(0)  # overlaps the first block's copy with the time embedding and conv_in
 
     # --- forward ---
 
+    @torch.compiler.disable  # offloaded blocks run eagerly (docs/offload.md, limits)
     def _block_forward(self, index: int, *args: Any, **kwargs: Any) -> Any:
         block = self._blocks[index]
         leaves, spec = tree_flatten((args, kwargs))

@@ -1,0 +1,330 @@
+"""``impasto bench``: the training step's speed and memory against the plain diffusers step.
+
+Both steps train the same randomly initialised model on the same synthetic batch (latents and
+text embeddings as a cache provides them, so no VAE or text encoder runs), in the same process:
+
+- ``diffusers``: what the diffusers SDXL training script does per step: DDPM noising, UNet
+  forward (under bf16 autocast when the precision asks for it), MSE against the noise,
+  backward, gradient clipping at 1, ``torch.optim.AdamW`` step, ``zero_grad``;
+- each impasto variant: the trainer's own step (:class:`~impasto.train.setup.StepSetup`:
+  objective, timestep sampling, loss, optimizer, memory options) with config overrides.
+
+FLOPs of one forward + backward are counted once with ``torch.utils.flop_counter``; TFLOP/s and
+MFU (against the device's dense bf16 peak) follow from the step time. On a CPU only the ratios
+mean something. Each variant builds a fresh model (same seed) and frees it before the next;
+``rounds`` repeats the whole sequence and reports the median, which evens out drift.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler
+from torch.utils.flop_counter import FlopCounterMode
+
+from impasto.config import Config, build_config
+from impasto.config.load import apply_override
+from impasto.data import Batch
+from impasto.models import add_time_ids, load_model
+from impasto.train.optim import set_lr
+from impasto.train.precision import autocast_factory, resolve_device, resolve_precision
+from impasto.train.setup import build_step_setup
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "checkpointing": {"memory.gradient_checkpointing": "all"},
+    "fused": {"memory.fused_backward": True, "optim.max_grad_norm": None},
+    "pure_bf16": {"train.mixed_precision": "pure_bf16", "optim.name": "adamw_bf16_sr"},
+    "low_memory": {
+        "train.mixed_precision": "pure_bf16",
+        "optim.name": "adamw_bf16_sr",
+        "memory.fused_backward": True,
+        "optim.max_grad_norm": None,
+        "memory.gradient_checkpointing": "all",
+    },
+    "adafactor": {
+        "optim.name": "adafactor",
+        "memory.fused_backward": True,
+        "optim.max_grad_norm": None,
+        "memory.gradient_checkpointing": "all",
+    },
+    "channels_last": {"memory.channels_last": True},
+    "compile": {"memory.compile": "blocks"},
+    "lora": {"parts.unet": "lora"},
+}
+"""Named sets of config overrides: what ``--variants`` can ask for."""
+
+DEFAULT_RESOLUTION = {"tiny": 64, "demo": 64, "sdxl": 1024}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak in TFLOP/s, for the GPUs we know (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    if "H100" in name or "H200" in name or "H800" in name:
+        return 756.0 if "PCIe" in name else 989.4  # SXM: 989.4 dense (1979 with sparsity)
+    if "A100" in name:
+        return 312.0
+    return None
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    name: str
+    step_ms: float
+    images_per_s: float
+    tflops: float | None
+    mfu: float | None
+    peak_memory_gib: float | None
+    vs_diffusers: float
+
+
+def bench_config(
+    model: str,
+    resolution: int,
+    batch: int,
+    precision: str,
+    device: str,
+    overrides: Sequence[str] = (),
+    variant: dict[str, Any] | None = None,
+) -> Config:
+    """The config of one variant: the model preset, a synthetic batch's size, the overrides."""
+    raw: dict[str, Any] = {
+        "model": {"preset": model},
+        "data": {"path": "synthetic", "resolution": resolution, "batch_size": batch},
+        "optim": {"lr": 1e-5},
+        "train": {"max_steps": 1, "mixed_precision": precision, "device": device},
+        "log": {"tensorboard": False, "progress_bar": False},
+    }
+    for key, value in (variant or {}).items():
+        apply_override(raw, f"{key}={json.dumps(value)}")
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return build_config(raw)
+
+
+def synthetic_batch(unet_config, batch: int, resolution: int, seed: int = 0) -> Batch:
+    """A batch as the cache delivers it: latents' posterior and text embeddings, random."""
+    generator = torch.Generator().manual_seed(seed)
+    side, channels = resolution // 8, unet_config.in_channels
+    pooled = (
+        unet_config.projection_class_embeddings_input_dim - 6 * unet_config.addition_time_embed_dim
+    )
+    sizes = torch.tensor([[resolution, resolution]] * batch)
+    return Batch(
+        pixel_values=None,
+        captions=[""] * batch,
+        original_sizes=sizes,
+        crop_top_lefts=torch.zeros(batch, 2, dtype=torch.long),
+        target_sizes=sizes,
+        indices=torch.arange(batch),
+        latent_mean=torch.randn(batch, channels, side, side, generator=generator),
+        latent_std=torch.full((batch, channels, side, side), 0.01),
+        prompt_embeds=torch.randn(batch, 77, unet_config.cross_attention_dim, generator=generator),
+        pooled_prompt_embeds=torch.randn(batch, pooled, generator=generator),
+    )
+
+
+class DiffusersStep:
+    """The plain diffusers training step on a fresh UNet."""
+
+    def __init__(self, config: Config, device: torch.device) -> None:
+        self.device = device
+        self.unet = load_model(config).unet.to(device).train()
+        self.optimizer = torch.optim.AdamW(self.unet.parameters(), lr=config.optim.lr)
+        self.scheduler = DDPMScheduler(
+            beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012
+        )
+        precision = resolve_precision(config.train.mixed_precision, device)
+        self.autocast = autocast_factory(device, precision)
+
+    def prepare(self, batch: Batch) -> None:
+        device = self.device
+        self.latents = batch.latent_mean.to(device)
+        self.embeds = batch.prompt_embeds.to(device)
+        time_ids = add_time_ids(
+            batch.original_sizes, batch.crop_top_lefts, batch.target_sizes, dtype=torch.float32
+        )
+        self.added = {
+            "text_embeds": batch.pooled_prompt_embeds.to(device),
+            "time_ids": time_ids.to(device),
+        }
+
+    def forward_backward(self) -> None:
+        noise = torch.randn_like(self.latents)
+        timesteps = torch.randint(0, 1000, (self.latents.shape[0],), device=self.device)
+        noisy = self.scheduler.add_noise(self.latents, noise, timesteps)
+        with self.autocast():
+            prediction = self.unet(noisy, timesteps, self.embeds, added_cond_kwargs=self.added)
+        F.mse_loss(prediction.sample.float(), noise.float()).backward()
+
+    def __call__(self) -> None:
+        self.forward_backward()
+        torch.nn.utils.clip_grad_norm_(self.unet.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class ImpastoStep:
+    """The trainer's step (its setup, micro-step, update and EMA) on a fresh model."""
+
+    def __init__(self, config: Config, device: torch.device) -> None:
+        precision = resolve_precision(config.train.mixed_precision, device)
+        self.setup = build_step_setup(config, device, precision)
+        self.max_grad_norm = config.optim.max_grad_norm
+        self.unet = self.setup.models.unet
+        self.number = 0
+        if not self.setup.train_text:  # text comes with the batch: free the encoders' memory
+            models = self.setup.models
+            for module in (models.vae, models.text_encoder, models.text_encoder_2):
+                module.to("cpu")
+
+    def prepare(self, batch: Batch) -> None:
+        self.batch = batch
+
+    def __call__(self) -> None:
+        setup = self.setup
+        set_lr(setup.optimizer, 1.0)
+        setup.micro_step(self.batch, torch.Generator().manual_seed(self.number))
+        setup.update(self.max_grad_norm)
+        self.number += 1
+        if setup.ema is not None:
+            setup.ema.update(self.number)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(
+    step: Callable[[], None], device: torch.device, warmup: int, steps: int
+) -> tuple[float, float | None]:
+    """(seconds per step, peak memory GiB or None on CPU) after ``warmup`` untimed steps."""
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    seconds = (time.perf_counter() - start) / steps
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return seconds, peak
+
+
+def count_flops(step: DiffusersStep) -> int:
+    """FLOPs of one forward + backward of the plain step (counted, not timed)."""
+    with FlopCounterMode(display=False) as counter:
+        step.forward_backward()
+    step.optimizer.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_bench(
+    model: str = "tiny",
+    resolution: int | None = None,
+    batch: int = 2,
+    steps: int = 10,
+    warmup: int = 3,
+    rounds: int = 1,
+    precision: str = "auto",
+    variants: Sequence[str] = ("default",),
+    device: str = "auto",
+    overrides: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Time the diffusers step and each variant; returns a JSON-able report."""
+    unknown = [name for name in variants if name not in VARIANTS]
+    if unknown:
+        raise ValueError(f"bench: unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
+    resolution = resolution or DEFAULT_RESOLUTION.get(model, 1024)
+    base = bench_config(model, resolution, batch, precision, device, overrides)
+    target = resolve_device(base.train.device)
+    configs = {"diffusers": base} | {
+        name: bench_config(model, resolution, batch, precision, device, overrides, VARIANTS[name])
+        for name in variants
+    }
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    peaks: dict[str, float | None] = {}
+    flops, data = None, None
+    for _ in range(rounds):
+        for name, config in configs.items():
+            step = (DiffusersStep if name == "diffusers" else ImpastoStep)(config, target)
+            if data is None:
+                data = synthetic_batch(step.unet.config, batch, resolution)
+            step.prepare(data)
+            if flops is None:
+                flops = count_flops(step)
+            seconds, peaks[name] = time_steps(step, target, warmup, steps)
+            times[name].append(seconds)
+            del step
+            _free(target)
+    peak_flops = peak_tflops(target)
+    baseline = statistics.median(times["diffusers"])
+    rows = []
+    for name, measured in times.items():
+        seconds = statistics.median(measured)
+        tflops = flops / seconds / 1e12 if target.type == "cuda" else None
+        rows.append(
+            BenchRow(
+                name=name,
+                step_ms=seconds * 1e3,
+                images_per_s=batch / seconds,
+                tflops=tflops,
+                mfu=None if tflops is None or peak_flops is None else tflops / peak_flops,
+                peak_memory_gib=peaks[name],
+                vs_diffusers=baseline / seconds,
+            )
+        )
+    return {
+        "model": model,
+        "resolution": resolution,
+        "batch": batch,
+        "precision": precision,
+        "device": torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu",
+        "steps": steps,
+        "rounds": rounds,
+        "tflop_per_step": flops / 1e12,
+        "tflop_per_image": flops / 1e12 / batch,
+        "rows": [asdict(row) for row in rows],
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a table."""
+
+    def show(value: float | None, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    lines = [
+        f"impasto bench: {report['model']} at {report['resolution']}², batch {report['batch']}, "
+        f"{report['precision']}, {report['device']}; {report['tflop_per_image']:.3f} TFLOP per "
+        f"image (forward + backward); median of {report['rounds']} round(s) of "
+        f"{report['steps']} steps",
+        f"{'variant':<14} {'step ms':>9} {'img/s':>8} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'peak GiB':>9} {'vs diffusers':>13}",
+    ]
+    for row in report["rows"]:
+        lines.append(
+            f"{row['name']:<14} {row['step_ms']:>9.1f} {row['images_per_s']:>8.2f} "
+            f"{show(row['tflops'], '.1f'):>8} {show(row['mfu'], '.1%'):>6} "
+            f"{show(row['peak_memory_gib'], '.2f'):>9} {row['vs_diffusers']:>13.3f}"
+        )
+    return "\n".join(lines)
