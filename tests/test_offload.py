@@ -221,9 +221,11 @@ def test_invalid_arguments(unet: nn.Module) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("resident", [0, 1])
-def test_cuda_matches_no_offload_with_less_memory(unet: nn.Module, resident: int) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+def test_cuda_matches_no_offload_with_less_memory(
+    unet: nn.Module, resident: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     plain = copy.deepcopy(unet).to("cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

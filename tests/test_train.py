@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from impasto.cli import main
 from impasto.config import build_config
-from impasto.train import state as state_module
 from impasto.train import setup as step_setup
+from impasto.train import state as state_module
 from impasto.train.trainer import train
 
 

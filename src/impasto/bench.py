@@ -59,6 +59,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "channels_last": {"memory.channels_last": True},
     "compile": {"memory.compile": "blocks"},
     "lora": {"parts.unet": "lora"},
+    "offload": {"memory.offload_blocks": True},
 }
 """Named sets of config overrides: what ``--variants`` can ask for."""
 
@@ -315,7 +316,7 @@ def format_report(report: dict[str, Any]) -> str:
 
     lines = [
         f"impasto bench: {report['model']} at {report['resolution']}², batch {report['batch']}, "
-        f"{report['precision']}, {report['device']}; {report['tflop_per_image']:.3f} TFLOP per "
+        f"{report['precision']}, {report['device']}; {report['tflop_per_image']:.3g} TFLOP per "
         f"image (forward + backward); median of {report['rounds']} round(s) of "
         f"{report['steps']} steps",
         f"{'variant':<14} {'step ms':>9} {'img/s':>8} {'TFLOP/s':>8} {'MFU':>6} "

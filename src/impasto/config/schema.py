@@ -629,10 +629,18 @@ class Config(Section):
                 "memory.fused_backward cannot clip by the global gradient norm (it is known only "
                 "after every step); set optim.max_grad_norm: null"
             )
-        if (
-            self.train.mixed_precision == "pure_bf16"
-            and self.optim.name not in PURE_BF16_OPTIMIZERS
-        ):
+        if memory.fused_backward and self.optim.name == "prodigy":
+            raise ValueError(
+                "memory.fused_backward gives each parameter its own optimizer, but Prodigy "
+                "estimates one step size over all of them; use another optimizer or no fusion"
+            )
+        if memory.offload_blocks and memory.compile != "none":
+            raise ValueError(
+                "memory.offload_blocks runs the offloaded blocks uncompiled (their weights move "
+                "every step); set memory.compile: none"
+            )
+        pure_bf16 = self.train.mixed_precision == "pure_bf16"
+        if pure_bf16 and self.optim.name not in PURE_BF16_OPTIMIZERS:
             raise ValueError(
                 f"train.mixed_precision: pure_bf16 needs an optimizer that updates bf16 weights "
                 f"without losing small steps: optim.name {' or '.join(PURE_BF16_OPTIMIZERS)}"

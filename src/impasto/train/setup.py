@@ -21,6 +21,7 @@ from impasto.train.memory import (
     combined,
     set_weight_dtypes,
 )
+from impasto.train.offload import BlockOffload
 from impasto.train.optim import OPTIMIZERS
 from impasto.train.parts import (
     Part,
@@ -48,6 +49,7 @@ class StepSetup:
     ema: EMA | None
     autocast: object  # a context factory: autocast and the attention kernel
     train_text: bool
+    offload: BlockOffload | None = None
 
     def micro_step(self, batch, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
         """Forward and backward one micro-batch (loss × ``scale``); returns the detached loss."""
@@ -89,6 +91,9 @@ def build_step_setup(
     set_weight_dtypes(models, config.train.mixed_precision, config.memory.vae_dtype)
     models.to(device)
     apply_memory_options(models.unet, config.memory)
+    offload = None
+    if config.memory.offload_blocks:  # after dtypes and layout, before the optimizer
+        offload = BlockOffload(models.unet, device, resident=config.memory.resident_blocks)
     groups = param_groups(trainable)
     build = partial(OPTIMIZERS[config.optim.name], config=config.optim)
     fused = FusedBackwardOptimizer(groups, build) if config.memory.fused_backward else None
@@ -105,6 +110,7 @@ def build_step_setup(
             autocast_factory(device, precision), attention_context(config.memory.attention)
         ),
         train_text=trains_text_encoders(config),
+        offload=offload,
     )
 
 
