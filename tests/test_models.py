@@ -150,7 +150,7 @@ def test_build_tiny_is_seeded_and_leaves_global_rng_alone(tiny: SDXLComponents) 
 
 def test_build_preset_lists_valid_names_and_load_components_needs_one_source() -> None:
     assert isinstance(build_preset("tiny", 0), SDXLComponents)
-    message = r"unknown model preset 'huge'; valid presets: \['demo', 'tiny'\]"
+    message = r"unknown model preset 'huge'; valid presets: \['demo', 'sdxl', 'tiny'\]"
     with pytest.raises(ValueError, match=message):
         build_preset("huge")
     with pytest.raises(ValueError, match="exactly one"):

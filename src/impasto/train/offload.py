@@ -31,6 +31,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from impasto.train.memory import unet_blocks
+
 
 @dataclass(eq=False)
 class _Block:
@@ -77,10 +79,7 @@ def execution_order(unet: nn.Module) -> list[tuple[str, nn.Module]]:
     """The UNet's blocks in the order they run: ``down.0`` .., ``mid``, ``up.0`` .."""
     if not all(hasattr(unet, name) for name in ("down_blocks", "mid_block", "up_blocks")):
         raise ValueError("offload: expected a UNet2DConditionModel (down_blocks, mid_block, ...)")
-    blocks = [(f"down.{i}", block) for i, block in enumerate(unet.down_blocks)]
-    if unet.mid_block is not None:
-        blocks.append(("mid", unet.mid_block))
-    return blocks + [(f"up.{i}", block) for i, block in enumerate(unet.up_blocks)]
+    return list(unet_blocks(unet).items())  # named and ordered as memory.* config names them
 
 
 class BlockOffload:

@@ -18,6 +18,16 @@ if TYPE_CHECKING:
     from impasto.config.schema import OptimConfig
 
 
+def adam_options(config: OptimConfig) -> dict[str, Any]:
+    """The Adam family's shared settings from the ``optim`` section."""
+    return {
+        "lr": config.lr,
+        "betas": config.betas,
+        "eps": config.eps,
+        "weight_decay": config.weight_decay,
+    }
+
+
 def build_adamw(params: Iterable, config: OptimConfig) -> torch.optim.Optimizer:
     """Decoupled weight decay Adam (Loshchilov & Hutter, arXiv:1711.05101).
 
@@ -27,10 +37,7 @@ def build_adamw(params: Iterable, config: OptimConfig) -> torch.optim.Optimizer:
     on_cuda = _all_on_cuda(groups)
     return torch.optim.AdamW(
         groups,
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
+        **adam_options(config),
         foreach=not on_cuda,
         fused=on_cuda,
     )
@@ -40,10 +47,7 @@ def build_adamw_bf16_sr(params: Iterable, config: OptimConfig) -> torch.optim.Op
     """AdamW with fp32 moments and stochastic rounding into bf16 weights (``sr_adamw``)."""
     return AdamWBF16(
         params,
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
+        **adam_options(config),
     )
 
 
@@ -78,10 +82,7 @@ def build_adamw_8bit(params: Iterable, config: OptimConfig) -> torch.optim.Optim
         raise ValueError("optim.name adamw_8bit needs a CUDA GPU (train.device cuda)")
     return bitsandbytes.optim.AdamW8bit(
         groups,
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
+        **adam_options(config),
     )
 
 
@@ -104,10 +105,7 @@ def build_prodigy(params: Iterable, config: OptimConfig) -> torch.optim.Optimize
         ) from None
     return Prodigy(
         groups,
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
+        **adam_options(config),
         decouple=True,
     )
 
