@@ -263,3 +263,21 @@ def test_a_training_run_keeps_saves_and_resumes_its_ema(tmp_path, demo_folder) -
     again = train(build_config(resumed)).run_dir
     other = load_file(again / "checkpoints/step-00000003/ema.safetensors")
     assert all(torch.equal(saved[name], other[name]) for name in saved)
+
+    from impasto.checkpoint.trained import load_trained
+    from impasto.cli import main
+
+    _, with_ema = load_trained(run, ema=True)
+    for name, value in with_ema.unet.state_dict().items():
+        assert torch.equal(value, saved[f"unet.{name}"]), name
+    out = tmp_path / "export.safetensors"
+    assert main(["export", str(run), "--format", "single-file", "--dtype", "fp32",
+                 "--ema", "--out", str(out)]) == 0  # fmt: skip
+    exported = load_file(out)
+    key = "model.diffusion_model.out.2.weight"  # the UNet's conv_out in the SGM layout
+    assert torch.equal(exported[key], saved["unet.conv_out.weight"])
+    plain = dict(raw, ema={"enabled": False})
+    plain["train"] = dict(raw["train"], output_dir=str(tmp_path / "plain"), max_steps=1)
+    plain_run = train(build_config(plain)).run_dir
+    with pytest.raises(ValueError, match="no ema.safetensors; the run trained without ema"):
+        load_trained(plain_run, ema=True)

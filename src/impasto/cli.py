@@ -71,6 +71,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         sampler=args.sampler,
         spacing=args.spacing,
         size=args.size,
+        ema=args.ema,
     )
     for path in sample_checkpoint(args.checkpoint, request, args.out):
         print(path)
@@ -84,7 +85,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     transformers_logging.disable_progress_bar()  # per-module "Loading weights" bars
 
-    options = ExportOptions(args.dtype, args.merge, args.merge_lora, args.lora_scale)
+    options = ExportOptions(args.dtype, args.merge, args.merge_lora, args.lora_scale, args.ema)
     print(export_checkpoint(args.checkpoint, args.format, args.out, options))
     return 0
 
@@ -163,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--steps", type=int, default=30)
     sample.add_argument("--cfg", type=float, default=5.0, help="classifier-free guidance scale")
+    sample.add_argument("--ema", action="store_true", help="sample with the EMA weights")
     sample.add_argument(
         "--sampler",
         default="euler",
@@ -213,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--merge-lora", metavar="FILE", help="add a kohya LoRA .safetensors to the full model"
     )
     export.add_argument("--lora-scale", type=float, default=1.0, help="its strength (default 1)")
+    export.add_argument("--ema", action="store_true", help="export the EMA weights (ema.enabled)")
     export.set_defaults(func=cmd_export)
 
     sub.add_parser("doctor", help="report the environment").set_defaults(func=cmd_doctor)

@@ -45,6 +45,7 @@ class ExportOptions:
     merge: bool = False  # bake a LoRA run's adapters into the full model
     merge_lora: str | None = None  # a kohya LoRA file to add to the full model
     lora_scale: float = 1.0  # its strength
+    ema: bool = False  # export the EMA weights (ema.safetensors) instead of the live ones
 
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
@@ -106,7 +107,7 @@ def _full_model(config: Config, models: SDXLComponents, options: ExportOptions, 
 
 
 def export_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
-    config, models = load_trained(checkpoint)
+    config, models = load_trained(checkpoint, ema=options.ema)
     _full_model(config, models, options, "diffusers folder")
     for name in (*PARTS, "vae"):
         getattr(models, name).to(DTYPES[options.dtype])
@@ -115,10 +116,11 @@ def export_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOpt
 
 
 def _adapter_states(
-    checkpoint: str | Path, kinds: tuple[str, ...], fmt: str
+    checkpoint: str | Path, kinds: tuple[str, ...], fmt: str, ema: bool = False
 ) -> tuple[Config, SDXLComponents, dict[str, dict]]:
-    """The run's config, models and peft adapter weights per adapted part."""
-    config, models = load_trained(checkpoint)
+    """The run's config, models and peft adapter weights per adapted part (EMA ones with
+    ``ema``)."""
+    config, models = load_trained(checkpoint, ema=ema)
     adapters = adapter_parts(config)
     if not adapters:
         raise ValueError("export: this run trained no adapters (parts.* = lora); nothing to export")
@@ -134,7 +136,9 @@ def _adapter_states(
 
 
 def export_lora_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
-    config, models, states = _adapter_states(checkpoint, ("lora", "dora"), "diffusers LoRA")
+    config, models, states = _adapter_states(
+        checkpoint, ("lora", "dora"), "diffusers LoRA", options.ema
+    )
     layers = {}
     for name, state in states.items():
         state = convert_state_dict_to_diffusers(state)
@@ -178,7 +182,7 @@ def _title(checkpoint: str | Path) -> str:
 
 
 def export_single_file(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
-    config, models = load_trained(checkpoint)
+    config, models = load_trained(checkpoint, ema=options.ema)
     _full_model(config, models, options, "single file")
     metadata = modelspec_metadata(config, _title(checkpoint), lora=False) | model_metadata(config)
     save_single_file(
@@ -192,7 +196,7 @@ def export_single_file(checkpoint: str | Path, out: str | Path, options: ExportO
 
 
 def export_lora_kohya(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
-    config, models, states = _adapter_states(checkpoint, ("lora",), "kohya LoRA")
+    config, models, states = _adapter_states(checkpoint, ("lora",), "kohya LoRA", options.ema)
     alpha = config.lora.rank if config.lora.alpha is None else config.lora.alpha
     tensors = {}
     for name, state in states.items():

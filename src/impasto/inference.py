@@ -44,6 +44,7 @@ class SampleRequest:
     sampler: str = "euler"
     size: int | None = None  # default: the checkpoint's data.resolution
     spacing: str | None = None  # default: see model_sampling_options
+    ema: bool = False  # sample with the checkpoint's EMA weights
 
 
 def _slug(text: str) -> str:
@@ -66,7 +67,7 @@ def sample_checkpoint(
     Each PNG carries its parameters in a ``parameters`` text chunk (as A1111 writes them).
     The same seed gives the same image, whatever the number of prompts or images.
     """
-    config, models = load_trained(checkpoint)
+    config, models = load_trained(checkpoint, ema=request.ema)
     size = request.size or config.data.resolution  # generate() checks it against the VAE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

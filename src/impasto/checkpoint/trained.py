@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
@@ -67,11 +68,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return newest
 
 
-def load_trained(path: str | Path) -> tuple[Config, SDXLComponents]:
+def load_trained(path: str | Path, ema: bool = False) -> tuple[Config, SDXLComponents]:
     """The config and the components, with the trained parts, of a checkpoint or run directory.
 
     The parts are rebuilt as the run built them (``parts``/``lora`` of its config: adapters
-    injected, then their weights loaded), every module frozen and in eval mode.
+    injected, then their weights loaded), every module frozen and in eval mode. ``ema``: the
+    trained parameters take the checkpoint's EMA weights (``ema.safetensors``) instead.
     """
     from impasto.train.parts import load_part_weights, prepare_parts
 
@@ -94,6 +96,33 @@ def load_trained(path: str | Path) -> tuple[Config, SDXLComponents]:
                 f"checkpoint {checkpoint}: cannot read {weights.name} ({error})"
             ) from None
     load_part_weights(parts, tensors, f"checkpoint {checkpoint}")
+    if ema:
+        load_ema_weights(parts, checkpoint)
     for module in (models.unet, models.vae, models.text_encoder, models.text_encoder_2):
         module.requires_grad_(False).eval()
     return config, models
+
+
+def load_ema_weights(parts: dict, checkpoint: Path) -> None:
+    """Copy ``ema.safetensors`` (keys ``part.parameter``, as the trainer's EMA names them) into
+    the trained parameters; one-line error when it is missing or does not fit."""
+    path = checkpoint / "ema.safetensors"
+    if not path.is_file():
+        raise ValueError(
+            f"checkpoint {checkpoint}: no ema.safetensors; the run trained without ema.enabled"
+        )
+    shadows = load_file(path)
+    trained = {
+        f"{name}.{param_name}": param
+        for name, part in parts.items()
+        for param_name, param in part.module.named_parameters()
+        if param.requires_grad
+    }
+    if shadows.keys() != trained.keys():
+        odd = sorted(shadows.keys() ^ trained.keys())[0]
+        raise ValueError(
+            f"checkpoint {checkpoint}: ema.safetensors does not fit the model ({odd!r})"
+        )
+    with torch.no_grad():
+        for name, param in trained.items():
+            param.copy_(shadows[name])
