@@ -126,6 +126,7 @@ def identify_images(
     ids = ImageIds(cache_dir(config))
     result = [ids.lookup(record) for record in records]
     todo = [index for index, image_id in enumerate(result) if image_id is None]
+    barrier()  # every rank has the same todo list before any rank saves new ids
     mine = {}
     for index in split_for_rank(todo, rank, world):
         try:
@@ -255,6 +256,9 @@ def fill_cache(
     report = CacheReport(images=len(records))
     report.unreadable = [str(r.image_path) for r, i in zip(records, ids, strict=True) if i is None]
     store = ShardStore(root)
+    # Every rank splits the missing entries by the same list, so all must scan the shards
+    # before any rank writes new ones.
+    barrier()
     fill = CacheFill(config, models, records, store, rank, world, report)
     latents_fp = text_fp = None
     if config.cache.latents == "disk":
