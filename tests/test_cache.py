@@ -261,3 +261,22 @@ def test_a_blob_record_changes_identity_with_its_shard(tmp_path) -> None:
     shard.write_bytes(b"y" * 101)  # rewritten: a new size (and time)
     _container_stat.cache_clear()  # stat'ed once per process; a new run is a new process
     assert record_identity(record) != before
+
+
+def test_an_unreadable_image_is_named_by_the_fill_and_skipped_in_training(tmp_path, folder):
+    (folder / "05.png").write_bytes(b"")  # zero-size
+    raw = raw_config(tmp_path, folder)
+    raw["data"].update(buckets="none", max_bad_fraction=0.5)
+    raw["cache"]["text_embeddings"] = "none"
+    config, _, records, bucket_of, encodings, report = fill(raw)
+    assert report.unreadable == [str(folder / "05.png")] and report.latents_encoded == 18
+    dataset = ImageCaptionDataset(records, 64, "center", True, 3, bucket_of=bucket_of,
+                                  cache=encodings)  # fmt: skip
+    skipped = dataset[(0, 5)]
+    assert isinstance(skipped, Skipped) and "unreadable when the cache was filled" in skipped.reason
+    result = train(config)
+    assert result.state.images_bad >= 1
+    assert (
+        "05.png\tunreadable when the cache was filled"
+        in (result.run_dir / "bad-data.tsv").read_text()
+    )
