@@ -517,7 +517,10 @@ class EmaConfig(Section):
     power: float = Field(2 / 3, gt=0)
     update_every: int = Field(1, ge=1, description="update every N steps (with decay^N)")
     device: Literal["cpu", "same"] = Field(
-        "cpu", description="where the fp32 shadow weights live: cpu (saves GPU memory) or same"
+        "same",
+        description="where the fp32 shadow weights live: same (beside the weights: fast) or "
+        "cpu (saves GPU memory; each update copies the weights over PCIe, so raise "
+        "update_every)",
     )
     sample_with_ema: bool = Field(True, description="validation samples use the EMA weights")
 
