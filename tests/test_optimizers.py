@@ -12,7 +12,12 @@ import torch
 
 from impasto.config.schema import OptimConfig
 from impasto.train.optim import OPTIMIZERS
-from impasto.train.sr_adamw import AdamWBF16, stochastic_round_to_bf16
+from impasto.train.sr_adamw import (
+    AdamWBF16,
+    adamw_update_,
+    rounding_seed,
+    stochastic_round_to_bf16,
+)
 
 BF16_ULP_AT_1 = 2.0**-7  # bf16 keeps 7 explicit mantissa bits
 
@@ -342,3 +347,30 @@ def test_prodigy_steps_when_installed():
     # the first step is d0 = 1e-6 times an Adam-like unit step
     moved = (model[0].weight.detach() - before).abs()
     assert 1e-7 < moved.max().item() < 1e-5
+
+
+def test_multi_tensor_update_equals_the_per_tensor_definition_on_bf16() -> None:
+    """AdamWBF16 updates a group with foreach kernels; each weight must still come out as
+    adamw_update_ then stochastic rounding with its own seed rounding_seed(seed, i, t)."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(4, 5), (7,), (2, 3)]
+    weights = [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(3)]
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    groups = [{"params": params[:2], "lr": 1e-2}, {"params": params[2:], "lr": 3e-3}]
+    optimizer = AdamWBF16(groups, weight_decay=0.1, seed=11)
+    reference = [w.float() for w in weights]
+    moments = [(torch.zeros(s), torch.zeros(s)) for s in shapes]
+    for t, step_grads in enumerate(grads, start=1):
+        for param, grad in zip(params, step_grads, strict=True):
+            param.grad = grad.bfloat16()
+        optimizer.step()
+        for i, (grad, (m, v)) in enumerate(zip(step_grads, moments, strict=True)):
+            lr = 1e-2 if i < 2 else 3e-3
+            p32 = reference[i].clone()
+            adamw_update_(p32, grad.bfloat16().float(), m, v, t, lr=lr, beta1=0.9, beta2=0.999,
+                          eps=1e-8, weight_decay=0.1)  # fmt: skip
+            noise = torch.Generator().manual_seed(rounding_seed(11, i, t))
+            reference[i] = stochastic_round_to_bf16(p32, noise).float()
+    for param, expected in zip(params, reference, strict=True):
+        assert torch.equal(param.detach().float(), expected)

@@ -14,6 +14,7 @@ the plain torch ops, m = β1·m + (1 − β1)·g and v = β2·v + (1 − β2)·g
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -105,7 +106,8 @@ class AdamWBF16(torch.optim.Optimizer):
     Per parameter, the step is done in fp32 on a copy (``adamw_update_``) and the result is
     written back to a bf16 weight with ``stochastic_round_to_bf16``: one rounding per step, of
     the whole new value. An fp32 weight is updated in place with the same ops, so it matches
-    ``torch.optim.AdamW(foreach=False)`` bitwise and one class serves both dtypes.
+    ``torch.optim.AdamW(foreach=False)`` bitwise and one class serves both dtypes. The
+    arithmetic runs as multi-tensor kernels over each group (same ops, same results).
 
     Moments: fp32 by default (8 bytes per parameter on top of the weight). ``state_dtype=
     torch.bfloat16`` halves that; they are then updated in fp32 and stored with SR as well.
@@ -160,43 +162,69 @@ class AdamWBF16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        param_index = -1
+        first_index = 0
         for group in self.param_groups:
-            for param in group["params"]:
-                param_index += 1
+            batch = []
+            for offset, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
                 if param.grad.is_sparse:
                     raise RuntimeError("AdamWBF16 does not support sparse gradients")
-                self._update(param, group, param_index)
+                batch.append((first_index + offset, param, self._advance(param)))
+            first_index += len(group["params"])
+            # One multi-tensor update per (device, step): kernels per group, not per tensor.
+            batch.sort(key=lambda item: (str(item[1].device), item[2]))
+            for _, same in groupby(batch, key=lambda item: (str(item[1].device), item[2])):
+                self._update(group, list(same))
         return loss
 
-    def _update(self, param: Tensor, group: dict[str, Any], param_index: int) -> None:
+    def _advance(self, param: Tensor) -> int:
+        """Count one more step for ``param`` (creating its state); returns t."""
         state = self.state[param]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)  # as torch's AdamW
             state["exp_avg"] = torch.zeros_like(param, dtype=self.state_dtype)
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.state_dtype)
         state["step"] += 1
-        step = int(state["step"].item())  # the step lives on the CPU: no device sync
+        return int(state["step"].item())  # the step lives on the CPU: no device sync
+
+    def _update(self, group: dict[str, Any], items: list[tuple[int, Tensor, int]]) -> None:
+        """AdamW on parameters that share a device and a step t, then the rounding writes.
+
+        The arithmetic is :func:`adamw_update_`'s, op for op, as multi-tensor (``foreach``)
+        kernels; ``.float()`` is a no-op on fp32 tensors, so fp32 weights and moments update in
+        place. Each parameter's rounding noise still comes from its own seed.
+        """
+        step = items[0][2]
+        params = [param for _, param, _ in items]
+        states = [self.state[param] for param in params]
+        params32 = [param.float() for param in params]
+        grads32 = [param.grad.float() for param in params]
+        exp_avgs32 = [state["exp_avg"].float() for state in states]
+        exp_avg_sqs32 = [state["exp_avg_sq"].float() for state in states]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        # .float() is a no-op on fp32 tensors, so fp32 weights and moments update in place.
-        param32 = param.float()
-        exp_avg32 = state["exp_avg"].float()
-        exp_avg_sq32 = state["exp_avg_sq"].float()
-        adamw_update_(
-            param32, param.grad.float(), exp_avg32, exp_avg_sq32, step,
-            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"],
-        )  # fmt: skip
-        if param.dtype == torch.float32 and self.state_dtype == torch.float32:
+        if weight_decay != 0:
+            torch._foreach_mul_(params32, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs32, grads32, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs32, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs32, grads32, grads32, value=1 - beta2)
+        denominators = torch._foreach_sqrt(exp_avg_sqs32)
+        torch._foreach_div_(denominators, (1 - beta2**step) ** 0.5)
+        torch._foreach_add_(denominators, eps)
+        step_size = lr / (1 - beta1**step)
+        torch._foreach_addcdiv_(params32, exp_avgs32, denominators, value=-step_size)
+        if self.state_dtype == torch.float32 and all(p.dtype == torch.float32 for p in params):
             return
-        generator = self._generator(param.device, rounding_seed(group["seed"], param_index, step))
-        if self.state_dtype == torch.bfloat16:
-            state["exp_avg"].copy_(stochastic_round_to_bf16(exp_avg32, generator))
-            state["exp_avg_sq"].copy_(stochastic_round_to_bf16(exp_avg_sq32, generator))
-        if param.dtype == torch.bfloat16:
-            param.copy_(stochastic_round_to_bf16(param32, generator))
+        for (index, param, _), state, param32, exp_avg32, exp_avg_sq32 in zip(
+            items, states, params32, exp_avgs32, exp_avg_sqs32, strict=True
+        ):
+            generator = self._generator(param.device, rounding_seed(group["seed"], index, step))
+            if self.state_dtype == torch.bfloat16:
+                state["exp_avg"].copy_(stochastic_round_to_bf16(exp_avg32, generator))
+                state["exp_avg_sq"].copy_(stochastic_round_to_bf16(exp_avg_sq32, generator))
+            if param.dtype == torch.bfloat16:
+                param.copy_(stochastic_round_to_bf16(param32, generator))
 
     def _generator(self, device: torch.device, seed: int) -> torch.Generator:
         """A generator for ``device``, reseeded; reused only to avoid creating one per call."""
