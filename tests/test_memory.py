@@ -141,7 +141,7 @@ def test_math_attention_channels_last_and_regional_compile_keep_the_result() -> 
     assert_same(loss_and_grads(unet), reference, atol=1e-5)
     compiled = build_tiny(0).unet
     keys = list(compiled.state_dict())
-    compile_unet(compiled, "blocks", "default", "aot_eager")
+    compile_unet(compiled, "blocks", "default", "eager")  # dynamo tracing, no codegen (fast)
     assert list(compiled.state_dict()) == keys  # checkpoints and exports are unchanged
     assert_same(loss_and_grads(compiled), reference, atol=1e-5)
 
