@@ -271,3 +271,10 @@ def test_nonfinite_gradients_skip_steps_then_stop(tmp_path, demo_folder, monkeyp
         ]
         == 1
     )
+
+
+def test_train_refuses_torchrun_until_ranks_are_supported(tmp_path, demo_folder, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="impasto train runs in one process for now"):
+        train(build_config(_raw(demo_folder, tmp_path / "run")))

@@ -31,7 +31,7 @@ from impasto.data.dataset import Skipped
 from impasto.data.demo import write_demo_dataset
 from impasto.data.folder import read_manifest
 from impasto.data.sources import hf_dataset_records, parquet_records, webdataset_records
-from impasto.distributed import process_group
+from impasto.distributed import process_group, rank_and_world
 from impasto.logging import MetricsLogger
 from impasto.models import load_model
 from impasto.train.disk_cache import CacheReport, fill_cache, identify_images
@@ -60,6 +60,12 @@ class TrainResult:
 
 def train(config: Config, resume: bool = True) -> TrainResult:
     """Train (or continue training) the run described by ``config``."""
+    if rank_and_world()[1] > 1:
+        raise ValueError(
+            "impasto train runs in one process for now (DDP/FSDP are not built yet); under "
+            "torchrun every rank would train its own copy into the same run directory. Use "
+            "`torchrun ... -m impasto cache CONFIG` to fill the cache on all GPUs, then train"
+        )
     return Trainer(config, resume).run()
 
 
