@@ -3,6 +3,7 @@
 Every section is a pydantic model with ``extra="forbid"``: an unknown key is an error, never
 silently ignored. Names that select code (a schedule, an optimizer, a sampler) are validated
 against the registries that hold that code, so a typo fails at load time with the valid names.
+The data sections (``data``, ``cache``) live in :mod:`impasto.config.data`.
 """
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from impasto.config.data import CacheConfig, DataConfig
+from impasto.config.section import Section
 
 CONFIG_VERSION = 1
 FLOW = "flow"  # the prediction type of rectified flow (SD3 convention)
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ModelConfig(Section):
@@ -200,194 +200,6 @@ class ObjectiveConfig(Section):
         return {"min_snr": {"gamma": self.min_snr_gamma}, "p2": {"gamma": self.p2_gamma}}.get(
             self.loss_weighting, {}
         )
-
-
-class SubfolderConfig(Section):
-    repeats: int = Field(1, ge=1, description="times each image appears per epoch")
-    weight: float = Field(1.0, gt=0, description="loss weight of its images")
-
-
-SourceKind = Literal["folder", "manifest", "webdataset", "hf"]
-
-
-class SourceConfig(Section):
-    """One source of images and captions; ``data.sources`` lists several to mix."""
-
-    source: SourceKind = Field(
-        "folder",
-        description="folder (sidecar captions), manifest (JSONL/CSV/Parquet file), webdataset "
-        "(tar shard URLs with brace patterns), hf (a local Hugging Face dataset folder)",
-    )
-    path: str
-    repeats: int = Field(1, ge=1, description="times each of its images appears per epoch")
-    loss_weight: float = Field(1.0, gt=0, description="loss weight of its images")
-    subfolders: dict[str, SubfolderConfig] = Field(
-        default_factory=dict, description="folder: top-level subfolder → repeats and weight"
-    )
-    split: str | None = Field("train", description="hf: the split")
-    image_column: str = Field("image", description="hf: the image column")
-    caption_column: str | None = Field("text", description="hf: the caption column (null: none)")
-
-    @model_validator(mode="after")
-    def _subfolders_need_a_folder(self) -> SourceConfig:
-        if self.subfolders and self.source != "folder":
-            raise ValueError(
-                "subfolders: repeats and weights apply to source: folder; give a manifest's "
-                "rows a weight (or list an image twice) instead"
-            )
-        return self
-
-
-class DataConfig(Section):
-    """Images with captions: one source (``source``, ``path``) or several (``sources``)."""
-
-    source: SourceKind = "folder"
-    path: str | None = None
-    subfolders: dict[str, SubfolderConfig] = Field(
-        default_factory=dict, description="folder: top-level subfolder → repeats and weight"
-    )
-    sources: list[SourceConfig] = Field(
-        default_factory=list,
-        description="several sources mixed (each with repeats and loss_weight); instead of path",
-    )
-    index_dir: str | None = Field(
-        None, description="webdataset: where shard indexes live (default ~/.cache/impasto/shards)"
-    )
-    missing_captions: Literal["skip", "empty"] = Field(
-        "skip",
-        description="images without a caption: skip (counted and listed) or train them with "
-        "the empty caption (plus caption_prefix/suffix)",
-    )
-    generate_demo: bool = Field(
-        False, description="write the built-in demo dataset to `path` if it does not exist"
-    )
-    demo_num_images: int = Field(16, ge=1)
-    resolution: int = Field(64, ge=8)
-    crop: Literal["center", "random"] = "center"
-    random_flip: bool = False
-    buckets: Literal["none", "sdxl", "generated"] = Field(
-        "none",
-        description="aspect-ratio buckets: none (resolution² squares), sdxl (the SDXL paper's "
-        "40, needs resolution 1024) or generated (area resolution², sides bucket_min_side.."
-        "bucket_max_side in steps of bucket_step)",
-    )
-    bucket_step: int = Field(64, ge=8, description="generated buckets: side step")
-    bucket_min_side: int | None = Field(None, ge=8, description="default: resolution / 2")
-    bucket_max_side: int | None = Field(None, ge=8, description="default: 2 * resolution")
-    bucket_no_upscale: bool = Field(False, description="only buckets an image fills unscaled")
-    caption_dropout: float = Field(
-        0.0, ge=0, le=1, description="probability of the empty caption (for CFG at sampling)"
-    )
-    shuffle_tags: bool = Field(False, description="shuffle comma-separated tags after keep_tags")
-    keep_tags: int = Field(0, ge=0, description="leading tags never shuffled or dropped")
-    tag_dropout: float = Field(0.0, ge=0, lt=1, description="drop each other tag with this p")
-    caption_prefix: str = Field("", description='added before the caption, e.g. "sks, "')
-    caption_suffix: str = Field("", description="added after the caption")
-    tag_separator: str = Field(",", min_length=1)
-    tag_frequency_weighting: bool = Field(
-        False, description="per-image loss weight from how rare its tags are (mean 1)"
-    )
-    tag_weight_min: float = Field(0.5, gt=0, le=1)
-    tag_weight_max: float = Field(2.0, ge=1)
-    batch_size: int = Field(4, ge=1)
-    num_workers: int = Field(0, ge=0)
-    max_bad_fraction: float = Field(
-        0.05, ge=0, le=1, description="stop with an error if more images than this are unreadable"
-    )
-
-    @field_validator("resolution")
-    @classmethod
-    def _multiple_of_8(cls, value: int) -> int:
-        if value % 8:
-            raise ValueError(f"must be a multiple of 8 (the VAE downsamples by 8), got {value}")
-        return value
-
-    @model_validator(mode="after")
-    def _one_way_to_name_the_data(self) -> DataConfig:
-        if (self.path is None) == (not self.sources):
-            raise ValueError("set exactly one of path (one source) and sources (several)")
-        if self.generate_demo and self.path is None:
-            raise ValueError("generate_demo writes the demo dataset to path; set path")
-        self.source_list()  # a single source's checks now
-        return self
-
-    def source_list(self) -> list[SourceConfig]:
-        """The sources: ``sources``, or the one that ``source``, ``path`` and ``subfolders``
-        describe."""
-        if self.sources:
-            return list(self.sources)
-        return [SourceConfig(source=self.source, path=self.path, subfolders=self.subfolders)]
-
-    @model_validator(mode="after")
-    def _valid_buckets(self) -> DataConfig:
-        if self.buckets == "sdxl" and self.resolution != 1024:
-            raise ValueError(
-                "buckets: sdxl is SDXL's list around 1024x1024; set data.resolution: 1024, or "
-                "use buckets: generated for other sizes"
-            )
-        if self.buckets == "generated":
-            if self.bucket_step % 8:
-                raise ValueError(f"bucket_step must be a multiple of 8, got {self.bucket_step}")
-            self.bucket_list()  # side and area errors now, not at the first batch
-        return self
-
-    def caption_tools(self):
-        """The :class:`~impasto.data.captions.CaptionTools` these settings describe."""
-        from impasto.data.captions import CaptionTools
-
-        return CaptionTools(
-            shuffle=self.shuffle_tags,
-            keep_tags=self.keep_tags,
-            tag_dropout=self.tag_dropout,
-            prefix=self.caption_prefix,
-            suffix=self.caption_suffix,
-            separator=self.tag_separator,
-        )
-
-    def bucket_list(self) -> list[tuple[int, int]] | None:
-        """The (height, width) buckets of ``buckets``, or None for square ``resolution``."""
-        from impasto.data.buckets import SDXL_BUCKETS, generate_buckets
-
-        if self.buckets == "none":
-            return None
-        if self.buckets == "sdxl":
-            return list(SDXL_BUCKETS)
-        step = self.bucket_step
-        low = self.bucket_min_side or max(step, self.resolution // 2 // step * step)
-        high = self.bucket_max_side or self.resolution * 2 // step * step
-        return generate_buckets(self.resolution**2, low, high, step)
-
-
-class CacheConfig(Section):
-    """Encodings by the frozen VAE and text encoders, kept after their first computation.
-
-    ``memory`` keeps them in RAM for the rest of the run: text embeddings per distinct caption,
-    VAE posteriors per image (only when images are deterministic: center crop, no flip).
-    ``disk`` keeps them in a content-addressed cache folder shared by runs and ranks
-    (:mod:`impasto.data.cache`), filled by ``impasto cache CONFIG`` or at the start of
-    ``impasto train``.
-    """
-
-    latents: Literal["none", "memory", "disk"] = "none"
-    text_embeddings: Literal["none", "memory", "disk"] = "none"
-    dir: str | None = Field(
-        None, description="disk: the cache folder (default: .impasto-cache in the data folder)"
-    )
-    dtype: Literal["float16", "bfloat16", "float32"] = Field(
-        "float16", description="disk: storage dtype of the cached tensors"
-    )
-    caption_variants: int = Field(
-        4,
-        ge=1,
-        description="disk text with tag shuffle/dropout: augmented variants cached per caption; "
-        "epoch e trains with variant e mod this",
-    )
-    batch_size: int = Field(8, ge=1, description="disk: images or captions encoded at once")
-    shard_size_mb: int = Field(256, ge=1, description="disk: size of each cache file")
-
-    @property
-    def on_disk(self) -> bool:
-        return "disk" in (self.latents, self.text_embeddings)
 
 
 PartMode = Literal["full", "lora", "frozen"]

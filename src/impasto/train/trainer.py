@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from impasto.config import Config
-from impasto.config.schema import SourceConfig
+from impasto.config.data import SourceConfig
 from impasto.data import (
     Batch,
     ImageRecord,
