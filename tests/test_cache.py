@@ -280,3 +280,19 @@ def test_an_unreadable_image_is_named_by_the_fill_and_skipped_in_training(tmp_pa
         "05.png\tunreadable when the cache was filled"
         in (result.run_dir / "bad-data.tsv").read_text()
     )
+
+
+def test_repeated_records_are_hashed_once(tmp_path, folder, monkeypatch) -> None:
+    from impasto.data import cache as cache_module
+
+    calls = []
+    real = cache_module.compute_image_id
+    monkeypatch.setattr(cache_module, "compute_image_id", lambda r: calls.append(r) or real(r))
+    raw = raw_config(tmp_path, folder)
+    del raw["data"]["path"]
+    raw["data"]["sources"] = [{"path": str(folder), "repeats": 3}]
+    raw["cache"]["dir"] = str(tmp_path / "cache")
+    config = build_config(raw)
+    records, ids = identify_images(config, load_records(config))
+    assert len(records) == 30 and len(calls) == 10
+    assert ids[0] == ids[1] == ids[2] != ids[3] and records[2].size == (ids[2].height, ids[2].width)

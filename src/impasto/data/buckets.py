@@ -351,20 +351,23 @@ def assign_image_buckets(
     An unreadable image or one that fits no bucket gets ``None``, with the reason in the report;
     the data loader then leaves it out and the report says so (nothing is dropped silently).
     """
-    bucket_of: list[Bucket | None] = []
+    placed: dict[tuple[str, str], Bucket | None] = {}  # repeated records: one file, opened once
     reasons = {}
     names = [str(image.image_path if isinstance(image, ImageRecord) else image) for image in images]
-    for image, name in zip(images, names, strict=True):
-        bucket = None
+    keys = [(n, repr(getattr(i, "blob", None))) for i, n in zip(images, names, strict=True)]
+    for image, name, key in zip(images, names, keys, strict=True):
+        if key in placed:
+            continue
+        placed[key] = None
         try:
             height, width = image_size(image)
         except IMAGE_LOAD_ERRORS as error:
             reasons[name] = f"unreadable ({type(error).__name__})"
         else:
-            bucket = assign_bucket(height, width, buckets, no_upscale)
-            if bucket is None:
+            placed[key] = assign_bucket(height, width, buckets, no_upscale)
+            if placed[key] is None:
                 reasons[name] = f"{height}x{width} is smaller than every bucket (no upscale)"
-        bucket_of.append(bucket)
+    bucket_of = [placed[key] for key in keys]
     report = bucket_report(dict(zip(names, bucket_of, strict=True)), reasons)
     return bucket_of, report
 

@@ -314,11 +314,8 @@ class CachedEncodings:
     latent_channels: int = 4
     downsample: int = 8
 
-    def posterior(self, index: int, params: BucketCrop) -> tuple[Tensor, Tensor] | str:
-        """``(mean, std)`` of record ``index`` under ``params``, or why there is none."""
-        image_id = self.image_ids[index]
-        if image_id is None:
-            return "unreadable when the cache was filled"
+    def posterior(self, image_id: ImageId, params: BucketCrop) -> tuple[Tensor, Tensor] | str:
+        """``(mean, std)`` of the image under ``params``, or why there is none."""
         key = latent_key(image_id, params, self.vae_fingerprint, self.dtype)
         try:
             mean, std = self.store.get(f"{key}.mean"), self.store.get(f"{key}.std")

@@ -144,9 +144,10 @@ class ImageCaptionDataset(Dataset):
         pixel_values, posterior = None, None
         if self.cache is not None and self.cache.vae_fingerprint is not None:
             image_id = self.cache.image_ids[index]
-            size = (image_id.height, image_id.width) if image_id else (1, 1)
-            params = self.transform.params(*size, bucket, generator)
-            posterior = self.cache.posterior(index, params)
+            if image_id is None:
+                return self.skip(index, "unreadable when the cache was filled")
+            params = self.transform.params(image_id.height, image_id.width, bucket, generator)
+            posterior = self.cache.posterior(image_id, params)
             if isinstance(posterior, str):
                 return self.skip(index, posterior)
         else:

@@ -125,7 +125,13 @@ def identify_images(
     opens no file) and the ids (None: unreadable)."""
     ids = ImageIds(cache_dir(config))
     result = [ids.lookup(record) for record in records]
-    todo = [index for index, image_id in enumerate(result) if image_id is None]
+    # Repeated records (repeats, subfolder copies) are one image: hash it once.
+    copies: dict[tuple[str, str], list[int]] = {}
+    for index, image_id in enumerate(result):
+        if image_id is None:
+            record = records[index]
+            copies.setdefault((str(record.image_path), repr(record.blob)), []).append(index)
+    todo = [indices[0] for indices in copies.values()]
     barrier()  # every rank has the same todo list before any rank saves new ids
     mine = {}
     for index in split_for_rank(todo, rank, world):
@@ -134,9 +140,10 @@ def identify_images(
         except IMAGE_LOAD_ERRORS + (OSError,):
             mine[index] = None
     ids.save(rank)
-    for part in gather_to_all(mine):
-        for index, image_id in part.items():
-            result[index] = image_id
+    found = {index: image_id for part in gather_to_all(mine) for index, image_id in part.items()}
+    for indices in copies.values():
+        for index in indices:
+            result[index] = found[indices[0]]
     sized = [
         record if image_id is None else replace(record, size=(image_id.height, image_id.width))
         for record, image_id in zip(records, result, strict=True)
