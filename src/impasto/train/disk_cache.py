@@ -103,15 +103,15 @@ def training_captions(config: Config, records: Sequence[ImageRecord]) -> list[st
     """Every caption text training can use: each record's (or its variants, when the caption
     tools are random), and "" when captions are dropped."""
     data, tools = config.data, config.data.caption_tools()
-    captions = []
+    captions, unused = [], torch.Generator()
     for index, record in enumerate(records):
         if tools.random:
             captions.extend(
                 tools.variant(record.caption, config.train.seed, variant, index)
                 for variant in range(config.cache.caption_variants)
             )
-        else:
-            captions.append(tools.apply(record.caption, torch.Generator()))
+        else:  # deterministic tools (prefix, suffix) draw nothing
+            captions.append(tools.apply(record.caption, unused))
     if data.caption_dropout > 0:
         captions.append("")
     return list(dict.fromkeys(captions))

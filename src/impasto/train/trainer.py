@@ -305,7 +305,9 @@ def skip_uncaptioned(records: list[ImageRecord], max_bad_fraction: float) -> lis
     if not missing:
         return records
     kept = [record for record in records if record.caption]
-    named = ", ".join(missing[:20]) + (f" and {len(missing) - 20} more" * (len(missing) > 20))
+    named = ", ".join(missing[:20])
+    if len(missing) > 20:
+        named += f" and {len(missing) - 20} more"
     print(f"impasto: left out {len(missing)} images without a caption: {named}")
     fraction = (len(records) - len(kept)) / len(records)
     if fraction > max_bad_fraction:
