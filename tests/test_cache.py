@@ -18,11 +18,13 @@ from safetensors.torch import load_file, save_file
 from impasto.cli import main
 from impasto.config import build_config
 from impasto.data import ImageCaptionDataset, Skipped, collate_examples, derive_seed
+from impasto.data import cache_fill as disk_cache
 from impasto.data.cache import ShardStore, ShardWriter, latent_key
-from impasto.models import encode_prompts, load_model
-from impasto.train import disk_cache
-from impasto.train.disk_cache import fill_cache, identify_images
-from impasto.train.trainer import load_records, place_in_buckets, train
+from impasto.data.cache_fill import fill_cache, identify_images
+from impasto.data.captions import caption_tools_from
+from impasto.data.pipeline import load_records, place_in_buckets
+from impasto.models import build_backbone, encode_prompts
+from impasto.train.trainer import train
 
 SIZES = [(64, 64), (48, 80), (80, 48), (64, 96), (70, 70)]
 
@@ -59,7 +61,7 @@ def raw_config(tmp_path: Path, data: Path, **cache) -> dict:
 
 def fill(raw: dict, models=None):
     config = build_config(raw)
-    models = models or load_model(config)
+    models = models or build_backbone(config)
     records, ids = identify_images(config, load_records(config))
     bucket_of = place_in_buckets(config, records, None)
     encodings, report = fill_cache(
@@ -94,7 +96,7 @@ def test_cached_latents_and_text_equal_on_the_fly(tmp_path, folder) -> None:
     raw["cache"]["caption_variants"] = 2
     config, models, records, bucket_of, encodings, _ = fill(raw)
     data = config.data
-    settings = (64, "center", True, 3, 0.0, bucket_of, data.caption_tools())
+    settings = (64, "center", True, 3, 0.0, bucket_of, caption_tools_from(data))
     cached = ImageCaptionDataset(records, *settings, cache=encodings)
     plain = ImageCaptionDataset(records, *settings)
     plain.caption_variants = cached.caption_variants  # the same captions, for comparison
@@ -108,11 +110,11 @@ def test_cached_latents_and_text_equal_on_the_fly(tmp_path, folder) -> None:
             assert from_cache.target_size == tuple(from_pixels.pixel_values.shape[-2:])
             assert from_cache.caption == from_pixels.caption
             with torch.no_grad():
-                posterior = models.vae.encode(from_pixels.pixel_values[None]).latent_dist
+                posterior = models.components.vae.encode(from_pixels.pixel_values[None]).latent_dist
             torch.testing.assert_close(from_cache.latent_mean, posterior.mean[0])
             torch.testing.assert_close(from_cache.latent_std, posterior.std[0])
             with torch.no_grad():
-                prompt = encode_prompts(models, [from_cache.caption])
+                prompt = encode_prompts(models.components, [from_cache.caption])
             torch.testing.assert_close(from_cache.prompt_embeds, prompt.prompt_embeds[0])
             image_id = encodings.image_ids[index]
             generator = torch.Generator().manual_seed(derive_seed(3, epoch, index))

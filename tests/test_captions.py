@@ -86,6 +86,6 @@ def test_the_trainer_weights_samples_by_tag_frequency(tiny_raw, demo_folder, tmp
     trainer = Trainer(build_config(tiny_raw), resume=False)
     # counts sks 4, a 4, b 2, c 1; scores mean(1/count) 1/3, 1/2, 1/4, 1/3; mean 17/48.
     expected = [48 / 17 * score for score in (1 / 3, 1 / 2, 1 / 4, 1 / 3)]
-    batch, _ = next(trainer.stream)
+    batch = next(trainer.data.stream)
     assert batch.loss_weights.tolist() == pytest.approx([expected[i] for i in batch.indices])
     assert all(caption.startswith("sks, ") for caption in batch.captions)

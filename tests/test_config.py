@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+import impasto
 from impasto.cli import main
 from impasto.config import ConfigError, build_config, config_hash, load_config
 
@@ -166,3 +168,30 @@ def test_print_config_round_trips(tiny_raw, tmp_path):
 def test_demo_config_is_valid():
     config = load_config(Path(__file__).parents[1] / "configs" / "demo.yaml")
     assert config.model.preset == "demo" and config.data.generate_demo
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (
+            {"bucket_min_side": 96},
+            "data: bucket_min_side (96) and bucket_max_side (128) must be multiples of "
+            "bucket_step (64)",
+        ),
+        ({"bucket_min_side": 192}, "data: bucket_min_side 192 is larger than bucket_max_side 128"),
+        (
+            {"bucket_min_side": 128, "bucket_max_side": 256},
+            "data: bucket_min_side 128 is above resolution 64",
+        ),
+    ],
+)
+def test_generated_bucket_sides_fail_at_load(tiny_raw, data, message):
+    tiny_raw["data"].update(buckets="generated", resolution=64, **data)
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        build_config(tiny_raw)
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "sdxl-flow.yaml", "sdxl-vpred-ztsnr.yaml"])
+def test_shipped_configs_pass_the_name_checks(name):
+    config = impasto.load_config(Path(__file__).parents[1] / "configs" / name)
+    assert config.model.family == "sdxl" and config.objective.method == "denoise"

@@ -23,6 +23,9 @@ from impasto.train.trainer import train
 DEMO_CONFIG = Path(__file__).parents[1] / "configs" / "demo.yaml"
 
 
+pytestmark = pytest.mark.slow  # trains the demo config (~7 min): `-m "not slow"` skips it
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo")

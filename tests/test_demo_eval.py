@@ -7,7 +7,7 @@ import torch
 
 from impasto.data.demo import DemoSpec, demo_spec, render_demo_image
 from impasto.data.demo_eval import parse_demo_caption, read_demo_image
-from impasto.vae import load_demo_vae
+from impasto.models.vae_files import load_demo_vae
 
 
 def test_reads_ground_truth_images_exactly():

@@ -268,6 +268,8 @@ def test_a_training_run_keeps_saves_and_resumes_its_ema(tmp_path, demo_folder) -
     from impasto.cli import main
 
     _, with_ema = load_trained(run, ema=True)
+
+    with_ema = with_ema.components
     for name, value in with_ema.unet.state_dict().items():
         assert torch.equal(value, saved[f"unet.{name}"]), name
     out = tmp_path / "export.safetensors"

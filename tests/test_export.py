@@ -45,6 +45,7 @@ def test_diffusers_export_loads_in_diffusers_with_a_matching_scheduler(tiny_raw,
     )
     pipe = StableDiffusionXLPipeline.from_pretrained(out)
     _, trained = load_trained(run)
+    trained = trained.components
     for name, tensor in trained.unet.state_dict().items():
         assert torch.equal(pipe.unet.state_dict()[name], tensor), name
     scheduler = pipe.scheduler.config
@@ -71,6 +72,7 @@ def test_lora_exports_load_in_diffusers_and_merge_exactly(tiny_raw, tmp_path, ca
     parts = {"unet": "lora", "text_encoder_2": "lora"}
     run = _run(tiny_raw, tmp_path, "lora", parts=parts, lora={"rank": 4})
     _, trained = load_trained(run)
+    trained = trained.components
     base = to_pipeline(build_tiny(0))
     assert not torch.allclose(tiny_unet_output(trained.unet), tiny_unet_output(base.unet))
 
@@ -138,6 +140,7 @@ def test_single_file_export_loads_back_with_comfyui_markers_and_trains(tiny_raw,
     assert metadata["impasto.zero_terminal_snr"] == "true"
     loaded = load_single_file(out)
     _, trained = load_trained(run)
+    trained = trained.components
     for name, tensor in trained.unet.state_dict().items():
         assert torch.equal(loaded.unet.state_dict()[name], tensor), name
     # model.path may name the single file: a run continues from it.
@@ -195,6 +198,8 @@ def test_kohya_lora_applied_independently_equals_the_merged_model(tiny_raw, tmp_
     assert len(names) == len(kohya) // 3
 
     _, merged = load_trained(run)
+
+    merged = merged.components
     for part in parts:
         merge_adapters(getattr(merged, part))
     expected = sgm_state_dict(merged)
@@ -219,6 +224,7 @@ def test_kohya_round_trip_is_bit_exact(tiny_raw, tmp_path):
     parts = {"unet": "lora", "text_encoder": "lora"}
     run = _run(tiny_raw, tmp_path, "lora", parts=parts, lora={"rank": 4})
     config, trained = load_trained(run)
+    trained = trained.components
     out = tmp_path / "lora.safetensors"
     assert (
         main(["export", str(run), "--format", "lora-kohya", "--out", str(out), "--dtype", "fp32"])
@@ -243,11 +249,12 @@ def test_a_run_starts_from_a_kohya_lora(tiny_raw, tmp_path, capsys):
         == 0
     )
     _, trained = load_trained(run)
+    trained = trained.components
     tiny_raw["lora"] = {"rank": 4, "init_from": str(out)}
     tiny_raw["train"]["output_dir"] = str(tmp_path / "continued")
     trainer = Trainer(build_config(tiny_raw), resume=False)
     expected = get_peft_model_state_dict(trained.unet)
-    started = get_peft_model_state_dict(trainer.models.unet)
+    started = get_peft_model_state_dict(trainer.setup.backbone.components.unet)
     assert expected.keys() == started.keys()
     assert all(torch.equal(started[key], expected[key]) for key in expected)
     assert f"started {len(expected) // 2} LoRA layers" in capsys.readouterr().out
@@ -268,6 +275,7 @@ def test_merge_lora_adds_a_kohya_lora_to_another_model(tiny_raw, tmp_path):
         == 0
     )
     _, adapted = load_trained(lora_run)
+    adapted = adapted.components
     for part in parts:
         merge_adapters(getattr(adapted, part))
     base = build_tiny(0)
@@ -281,6 +289,7 @@ def test_merge_lora_adds_a_kohya_lora_to_another_model(tiny_raw, tmp_path):
     )
     exported = StableDiffusionXLPipeline.from_pretrained(out)
     _, full = load_trained(full_run)
+    full = full.components
     # The LoRA's delta does not depend on the base: exported − full = ½·(adapted − base).
     for part in parts:
         before, lora_delta = getattr(full, part).state_dict(), getattr(adapted, part).state_dict()

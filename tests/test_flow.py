@@ -15,9 +15,10 @@ from diffusers.training_utils import (
     compute_loss_weighting_for_sd3,
 )
 
-from impasto.config import build_config
+import impasto
 from impasto.config.schema import ObjectiveConfig
 from impasto.models import SDXLComponents
+from impasto.models.sdxl import SDXLBackbone
 from impasto.objectives import (
     FLOW_LOSS_WEIGHTINGS,
     FLOW_TIME_DENSITIES,
@@ -38,11 +39,10 @@ from impasto.objectives.objective import Objective
 from impasto.sampling import (
     generate_latents,
     initial_noise,
-    latent_shape,
     sample_euler,
-    sdxl_conditioning,
 )
 from impasto.sampling.flow import flow_denoiser, flow_timesteps
+from impasto.train.checks import check_objective
 
 CPU = torch.device("cpu")
 
@@ -284,7 +284,7 @@ def test_flow_loss_weights_by_hand():
 )
 def test_bad_flow_configs_fail_at_load(options, message):
     with pytest.raises(ValueError, match=message):
-        ObjectiveConfig(prediction_type="flow", **options)
+        check_objective(ObjectiveConfig(prediction_type="flow", **options))
 
 
 def test_flow_options_need_a_flow_objective():
@@ -293,7 +293,7 @@ def test_flow_options_need_a_flow_objective():
     with pytest.raises(
         ValueError, match="loss_weighting: unknown name 'sigma_sqrt' for prediction_type epsilon"
     ):
-        ObjectiveConfig(loss_weighting="sigma_sqrt")
+        check_objective(ObjectiveConfig(loss_weighting="sigma_sqrt"))
     dumped = ObjectiveConfig(prediction_type="flow", flow_shift=3.0).model_dump()
     assert ObjectiveConfig(**dumped).flow_shift == 3.0  # a stored (fully dumped) config reloads
 
@@ -341,7 +341,7 @@ def test_flow_euler_transports_a_point_mass_exactly():
 def test_generate_on_a_flow_model_equals_a_flow_match_euler_loop(tiny: SDXLComponents):
     prompts, negative, guidance, shift = ["a red circle", "a blue square"], "blurry", 4.5, 3.0
     latents = generate_latents(
-        tiny,
+        SDXLBackbone(tiny),
         prompts,
         negative_prompt=negative,
         num_steps=6,
@@ -353,9 +353,9 @@ def test_generate_on_a_flow_model_equals_a_flow_match_euler_loop(tiny: SDXLCompo
     )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
     scheduler.set_timesteps(6)
-    cond = sdxl_conditioning(tiny, prompts, 64, 64)
-    both = sdxl_conditioning(tiny, [negative] * 2, 64, 64).cat(cond)
-    x = initial_noise(2, latent_shape(tiny, 64, 64), seed=3)
+    cond = SDXLBackbone(tiny).sampling_condition(prompts, 64, 64)
+    both = SDXLBackbone(tiny).sampling_condition([negative] * 2, 64, 64).cat(cond)
+    x = initial_noise(2, SDXLBackbone(tiny).latent_shape(64, 64), seed=3)
     with torch.no_grad():
         for timestep in scheduler.timesteps:
             output = tiny.unet(
@@ -375,8 +375,10 @@ def test_generate_on_a_flow_model_equals_a_flow_match_euler_loop(tiny: SDXLCompo
 
 def test_flow_models_refuse_the_ve_samplers(tiny: SDXLComponents, tiny_raw):
     with pytest.raises(ValueError, match="cannot sample a flow model"):
-        generate_latents(tiny, ["a"], prediction_type="flow", sampler="dpmpp_2m", num_steps=2)
+        generate_latents(
+            SDXLBackbone(tiny), ["a"], prediction_type="flow", sampler="dpmpp_2m", num_steps=2
+        )
     tiny_raw["objective"] = {"prediction_type": "flow"}
     tiny_raw["sample"] = {"sampler": "ddim"}
     with pytest.raises(ValueError, match="sample.sampler: 'ddim' cannot sample a flow model"):
-        build_config(tiny_raw)
+        impasto.build_config(tiny_raw)

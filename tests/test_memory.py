@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 
 from impasto.config import build_config
 from impasto.models.presets import build_tiny
+from impasto.models.sdxl import unet_blocks
 from impasto.train.fused import FusedBackwardOptimizer
 from impasto.train.memory import (
     attention_context,
-    compile_unet,
+    compile_denoiser,
     set_gradient_checkpointing,
-    unet_blocks,
 )
 from impasto.train.optim import OPTIMIZERS
 from impasto.train.trainer import train
@@ -122,14 +122,17 @@ def test_a_fused_run_trains_like_an_unfused_one(tmp_path, demo_folder) -> None:
 def test_gradient_checkpointing_of_chosen_blocks_keeps_loss_and_gradients() -> None:
     reference = loss_and_grads(build_tiny(0).unet)
     unet = build_tiny(0).unet
-    assert set_gradient_checkpointing(unet, ["down.1", "up.0"]) == ["down.1", "up.0"]
+    assert set_gradient_checkpointing(unet, unet_blocks(unet), ["down.1", "up.0"]) == [
+        "down.1",
+        "up.0",
+    ]
     flags = {name: block.gradient_checkpointing for name, block in unet_blocks(unet).items()}
     assert flags == {"down.0": False, "down.1": True, "mid": False, "up.0": True, "up.1": False}
     assert_same(loss_and_grads(unet), reference)
     with pytest.raises(ValueError, match="no block 'up.7'; its blocks: down.0, down.1, mid"):
-        set_gradient_checkpointing(unet, ["up.7"])
+        set_gradient_checkpointing(unet, unet_blocks(unet), ["up.7"])
     everything = build_tiny(0).unet
-    set_gradient_checkpointing(everything, "all")
+    set_gradient_checkpointing(everything, unet_blocks(everything), "all")
     assert_same(loss_and_grads(everything), reference)
 
 
@@ -141,7 +144,9 @@ def test_math_attention_channels_last_and_regional_compile_keep_the_result() -> 
     assert_same(loss_and_grads(unet), reference, atol=1e-5)
     compiled = build_tiny(0).unet
     keys = list(compiled.state_dict())
-    compile_unet(compiled, "blocks", "default", "eager")  # dynamo tracing, no codegen (fast)
+    compile_denoiser(
+        compiled, unet_blocks(compiled), "blocks", "default", "eager"
+    )  # dynamo tracing, no codegen (fast)
     assert list(compiled.state_dict()) == keys  # checkpoints and exports are unchanged
     assert_same(loss_and_grads(compiled), reference, atol=1e-5)
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from impasto.train.offload import BlockOffload, execution_order
+from impasto.models.sdxl import unet_blocks
+from impasto.train.offload import BlockOffload
 
 ATOL = 1e-6  # gradients upstream of a skip connection are summed in another order
 
@@ -57,12 +58,12 @@ def downstream(name: str) -> bool:
 def test_loss_and_gradients_equal_no_offload(unet: nn.Module, resident: int) -> None:
     loss, prompt_grad, grads = forward_backward(copy.deepcopy(unet))
     offloaded_unet = copy.deepcopy(unet)
-    offload = BlockOffload(offloaded_unet, "cpu", resident=resident)
+    offload = BlockOffload(offloaded_unet, unet_blocks(offloaded_unet), "cpu", resident=resident)
     offload_loss, offload_prompt_grad, offload_grads = forward_backward(offloaded_unet)
 
     resident_names = ["up.0"][:resident]  # the largest block stays on the device
     assert offload.resident_names == resident_names
-    names = [name for name, _ in execution_order(unet)]
+    names = [name for name, _ in unet_blocks(unet).items()]
     assert offload.offloaded_names == [name for name in names if name not in resident_names]
     assert torch.equal(offload_loss, loss)
     torch.testing.assert_close(offload_prompt_grad, prompt_grad, rtol=0, atol=ATOL)
@@ -79,7 +80,7 @@ def test_recomputation_restores_autocast(unet: nn.Module) -> None:
     """bf16 autocast in forward only: a recomputation in fp32 would change every gradient."""
     loss, _, grads = forward_backward(copy.deepcopy(unet), autocast=True)
     offloaded_unet = copy.deepcopy(unet)
-    BlockOffload(offloaded_unet, "cpu")
+    BlockOffload(offloaded_unet, unet_blocks(offloaded_unet), "cpu")
     offload_loss, _, offload_grads = forward_backward(offloaded_unet, autocast=True)
     assert torch.equal(offload_loss, loss)
     for name in [name for name in grads if downstream(name)]:
@@ -88,9 +89,9 @@ def test_recomputation_restores_autocast(unet: nn.Module) -> None:
 
 def test_weights_live_on_device_only_while_used(unet: nn.Module) -> None:
     offloaded_unet = copy.deepcopy(unet)
-    blocks = dict(execution_order(offloaded_unet))
+    blocks = dict(unet_blocks(offloaded_unet).items())
     masters = {name: list(block.parameters()) for name, block in blocks.items()}
-    offload = BlockOffload(offloaded_unet, "cpu")
+    offload = BlockOffload(offloaded_unet, unet_blocks(offloaded_unet), "cpu")
     copies: list[list[weakref.ref]] = []  # one entry per block load
     load = offload._load
 
@@ -133,7 +134,7 @@ def test_weights_live_on_device_only_while_used(unet: nn.Module) -> None:
 def test_gradients_accumulate_and_hooks_fire(unet: nn.Module) -> None:
     """Two micro-batches add up in .grad; post-accumulate hooks (fused backward) see them."""
     plain, offloaded_unet = copy.deepcopy(unet), copy.deepcopy(unet)
-    BlockOffload(offloaded_unet, "cpu")
+    BlockOffload(offloaded_unet, unet_blocks(offloaded_unet), "cpu")
     seen: list[torch.Tensor] = []
     offloaded_unet.up_blocks[0].resnets[0].conv1.weight.register_post_accumulate_grad_hook(
         lambda param: seen.append(param.grad.clone())
@@ -154,7 +155,9 @@ def test_combines_with_diffusers_gradient_checkpointing(unet: nn.Module) -> None
     offloaded_unet = copy.deepcopy(unet)
     offloaded_unet.enable_gradient_checkpointing()
     masters = {
-        id(param) for _, block in execution_order(offloaded_unet) for param in block.parameters()
+        id(param)
+        for _, block in unet_blocks(offloaded_unet).items()
+        for param in block.parameters()
     }
     computed_with_masters = []
 
@@ -162,10 +165,10 @@ def test_combines_with_diffusers_gradient_checkpointing(unet: nn.Module) -> None
         if any(id(param) in masters for param in module.parameters(recurse=False)):
             computed_with_masters.append(module)
 
-    for _, block in execution_order(offloaded_unet):
+    for _, block in unet_blocks(offloaded_unet).items():
         for module in block.modules():
             module.register_forward_pre_hook(check)
-    BlockOffload(offloaded_unet, "cpu")
+    BlockOffload(offloaded_unet, unet_blocks(offloaded_unet), "cpu")
     offload_loss, _, offload_grads = forward_backward(offloaded_unet)
     assert computed_with_masters == []
     assert torch.equal(offload_loss, loss)
@@ -177,7 +180,7 @@ def test_frozen_parameters_get_no_gradient(unet: nn.Module) -> None:
     plain, offloaded_unet = copy.deepcopy(unet), copy.deepcopy(unet)
     for module in (plain, offloaded_unet):
         module.mid_block.requires_grad_(False)
-    BlockOffload(offloaded_unet, "cpu")
+    BlockOffload(offloaded_unet, unet_blocks(offloaded_unet), "cpu")
     _, _, grads = forward_backward(plain)
     _, _, offload_grads = forward_backward(offloaded_unet)
     for name, grad in grads.items():
@@ -194,7 +197,7 @@ def test_no_grad_forward_and_remove_restore_the_plain_module(unet: nn.Module) ->
     offloaded_unet = copy.deepcopy(unet)
     hooks_before = len(offloaded_unet._forward_pre_hooks)
     params_before = list(offloaded_unet.parameters())
-    offload = BlockOffload(offloaded_unet, "cpu", resident=2)
+    offload = BlockOffload(offloaded_unet, unet_blocks(offloaded_unet), "cpu", resident=2)
     with torch.no_grad():
         output = offloaded_unet(latents, timesteps, prompt_embeds, added_cond_kwargs=added)
     assert torch.equal(output.sample, expected)
@@ -202,7 +205,7 @@ def test_no_grad_forward_and_remove_restore_the_plain_module(unet: nn.Module) ->
 
     offload.remove()
     assert len(offloaded_unet._forward_pre_hooks) == hooks_before
-    assert all("forward" not in block.__dict__ for _, block in execution_order(offloaded_unet))
+    assert all("forward" not in block.__dict__ for _, block in unet_blocks(offloaded_unet).items())
     assert all(a is b for a, b in zip(offloaded_unet.parameters(), params_before, strict=True))
     _, _, grads = forward_backward(copy.deepcopy(unet))
     _, _, plain_grads = forward_backward(offloaded_unet)
@@ -212,11 +215,11 @@ def test_no_grad_forward_and_remove_restore_the_plain_module(unet: nn.Module) ->
 
 def test_invalid_arguments(unet: nn.Module) -> None:
     with pytest.raises(ValueError, match="no block 'up.7'"):
-        BlockOffload(copy.deepcopy(unet), "cpu", blocks=["mid", "up.7"])
+        BlockOffload(copy.deepcopy(unet), unet_blocks(unet), "cpu", blocks=["mid", "up.7"])
     with pytest.raises(ValueError, match="resident must be in"):
-        BlockOffload(copy.deepcopy(unet), "cpu", resident=3, blocks=["mid", "up.0"])
-    with pytest.raises(ValueError, match="UNet2DConditionModel"):
-        BlockOffload(nn.Linear(2, 2), "cpu")
+        BlockOffload(
+            copy.deepcopy(unet), unet_blocks(unet), "cpu", resident=3, blocks=["mid", "up.0"]
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -235,7 +238,7 @@ def test_cuda_matches_no_offload_with_less_memory(
     torch.cuda.empty_cache()
 
     offloaded_unet = copy.deepcopy(unet)
-    offload = BlockOffload(offloaded_unet, "cuda", resident=resident)
+    offload = BlockOffload(offloaded_unet, unet_blocks(offloaded_unet), "cuda", resident=resident)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     offload_loss, offload_prompt_grad, offload_grads = forward_backward(offloaded_unet, "cuda")

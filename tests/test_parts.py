@@ -11,10 +11,11 @@ from tiny_inputs import tiny_batch, tiny_unet_output
 
 from impasto.checkpoint.trained import load_trained
 from impasto.config import build_config
+from impasto.models.parts import prepare_parts
 from impasto.models.presets import build_tiny
+from impasto.models.sdxl import PART_NAMES, SDXLBackbone
 from impasto.objectives.objective import Objective
-from impasto.train.parts import PARTS, adapter_targets, prepare_parts
-from impasto.train.step import training_step
+from impasto.train.methods.denoise import denoising_loss
 from impasto.train.trainer import Trainer, train
 
 
@@ -30,14 +31,14 @@ def test_adapters_start_as_the_identity_and_only_they_train(tiny_raw, kind):
     models = build_tiny(0)
     before = tiny_unet_output(models.unet)
     base = {name: p.clone() for name, p in models.unet.named_parameters()}
-    parts = prepare_parts(config, models)
+    parts = prepare_parts(config, SDXLBackbone(models))
     # The adapted model starts as the base.
     torch.testing.assert_close(tiny_unet_output(models.unet), before)
     trainable = [name for name, p in models.unet.named_parameters() if p.requires_grad]
     assert trainable and all(".default" in name for name in trainable)
     assert list(parts) == ["unet"] and parts["unet"].mode == kind
     # Every attention projection got one adapter; nothing else did.
-    targets = adapter_targets("unet", build_tiny(0).unet, "attention")
+    targets = SDXLBackbone(build_tiny(0)).adapter_targets("unet", "attention")
     assert targets and all(t.rsplit(".", 1)[-1] in ("to_q", "to_k", "to_v", "0") for t in targets)
     adapted = {
         name.split(".base_layer")[0]
@@ -58,7 +59,7 @@ def test_text_encoder_full_finetune_trains_every_parameter_sdxl_reads(tiny_raw):
         parts={"unet": "frozen", "text_encoder": "full", "text_encoder_2": "full"},
     )
     models = build_tiny(0)
-    parts = prepare_parts(config, models)
+    parts = prepare_parts(config, SDXLBackbone(models))
     assert list(parts) == ["text_encoder", "text_encoder_2"]
     last = len(models.text_encoder.encoder.layers) - 1
     frozen = [n for n, p in models.text_encoder.named_parameters() if not p.requires_grad]
@@ -66,8 +67,8 @@ def test_text_encoder_full_finetune_trains_every_parameter_sdxl_reads(tiny_raw):
         n.startswith((f"encoder.layers.{last}.", "final_layer_norm.")) for n in frozen
     )
     objective = Objective.from_config(config.objective)
-    out = training_step(
-        models,
+    out = denoising_loss(
+        SDXLBackbone(models),
         objective,
         tiny_batch(),
         torch.Generator().manual_seed(1),
@@ -100,11 +101,13 @@ def test_lora_on_all_parts_with_their_own_learning_rates(tiny_raw):
         train={**tiny_raw["train"], "max_steps": 2},
     )
     trainer = Trainer(config, resume=False)
-    lrs = {group["name"]: group["lr"] for group in trainer.optimizer.param_groups}
+    lrs = {group["name"]: group["lr"] for group in trainer.setup.optimizer.param_groups}
     assert lrs == {"unet": config.optim.lr, "text_encoder": 1e-5, "text_encoder_2": 2e-5}
-    last = len(trainer.models.text_encoder.encoder.layers) - 1
+    last = len(trainer.setup.backbone.components.text_encoder.encoder.layers) - 1
     te1_adapted = [
-        n for n, _ in trainer.models.text_encoder.named_modules() if n.endswith("base_layer")
+        n
+        for n, _ in trainer.setup.backbone.components.text_encoder.named_modules()
+        if n.endswith("base_layer")
     ]
     assert te1_adapted and not any(f"layers.{last}." in n for n in te1_adapted)
     assert any(n.endswith("fc1.base_layer") for n in te1_adapted)  # attention_ff reaches the MLP
@@ -131,8 +134,10 @@ def test_lora_run_resumes_exactly_and_reloads_for_sampling(tiny_raw, tmp_path):
     assert any(weights[key].abs().sum() > 0 for key in weights if "lora_B" in key)  # it trained
 
     _, reloaded = load_trained(straight.run_dir)
+
+    reloaded = reloaded.components
     models = build_tiny(0)
-    parts = prepare_parts(config, models)
+    parts = prepare_parts(config, SDXLBackbone(models))
     parts["unet"].load_state_dict(weights)
     torch.testing.assert_close(tiny_unet_output(reloaded.unet), tiny_unet_output(models.unet))
     assert not torch.allclose(tiny_unet_output(reloaded.unet), tiny_unet_output(build_tiny(0).unet))
@@ -145,4 +150,4 @@ def test_bad_parts_configs_are_one_line_errors(tiny_raw):
         _config(tiny_raw, parts={"text_encoder": "lora"}, cache={"text_embeddings": "memory"})
     with pytest.raises(ValueError, match="kind"):
         _config(tiny_raw, lora={"kind": "ia3"})
-    assert PARTS == ("unet", "text_encoder", "text_encoder_2")
+    assert PART_NAMES == ("unet", "text_encoder", "text_encoder_2")

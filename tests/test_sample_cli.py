@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import impasto
 from impasto.cli import main
 from impasto.config import build_config
 from impasto.train.trainer import train
@@ -85,4 +86,4 @@ def test_sample_config_requires_prompts(tiny_raw):
         build_config(tiny_raw)
     tiny_raw["sample"] = {"sampler": "heun"}
     with pytest.raises(ValueError, match="sample: sampler: unknown name 'heun'"):
-        build_config(tiny_raw)
+        impasto.build_config(tiny_raw)

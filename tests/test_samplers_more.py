@@ -10,6 +10,7 @@ from torch.testing import assert_close
 
 from impasto.config.schema import ObjectiveConfig
 from impasto.models import SDXLComponents
+from impasto.models.sdxl import SDXLBackbone
 from impasto.objectives import sigmas_from_alphas_cumprod, training_alphas_cumprod
 from impasto.sampling import (
     SAMPLERS,
@@ -244,7 +245,7 @@ def test_zero_terminal_snr_ladder_gives_finite_samples(sampler: str, num_steps: 
 @pytest.mark.parametrize("sampler", NEW_SAMPLERS)
 def test_zero_terminal_snr_generation_is_finite(tiny: SDXLComponents, sampler: str) -> None:
     latents = generate_latents(
-        tiny,
+        SDXLBackbone(tiny),
         PROMPTS[:1],
         negative_prompt=NEGATIVE,
         num_steps=4,
@@ -264,17 +265,22 @@ def test_ancestral_same_seed_same_image_and_independent_of_batch(tiny: SDXLCompo
         "guidance_scale": 5.0,
         "sampler": "euler_ancestral",
     }
-    batch = generate_latents(tiny, ["a green triangle", *PROMPTS], seed=10, **kwargs)
+    batch = generate_latents(SDXLBackbone(tiny), ["a green triangle", *PROMPTS], seed=10, **kwargs)
     assert torch.equal(
-        batch, generate_latents(tiny, ["a green triangle", *PROMPTS], seed=10, **kwargs)
+        batch,
+        generate_latents(SDXLBackbone(tiny), ["a green triangle", *PROMPTS], seed=10, **kwargs),
     )
     # Row j, initial and step noise alike, comes from seed + j: the second image alone, seed 11.
-    alone = generate_latents(tiny, PROMPTS[:1], seed=11, **kwargs)
+    alone = generate_latents(SDXLBackbone(tiny), PROMPTS[:1], seed=11, **kwargs)
     assert_close(alone[0], batch[1], **LATENT_TOL)
-    repeated = generate_latents(tiny, PROMPTS[:1], num_images_per_prompt=2, seed=11, **kwargs)
+    repeated = generate_latents(
+        SDXLBackbone(tiny), PROMPTS[:1], num_images_per_prompt=2, seed=11, **kwargs
+    )
     assert_close(repeated[0], alone[0], **LATENT_TOL)
-    other_seed = generate_latents(tiny, PROMPTS[:1], seed=12, **kwargs)
+    other_seed = generate_latents(SDXLBackbone(tiny), PROMPTS[:1], seed=12, **kwargs)
     assert_close(repeated[1], other_seed[0], **LATENT_TOL)
     # The step noise matters: the ancestral image is not the deterministic Euler one.
-    euler = generate_latents(tiny, PROMPTS[:1], seed=11, **{**kwargs, "sampler": "euler"})
+    euler = generate_latents(
+        SDXLBackbone(tiny), PROMPTS[:1], seed=11, **{**kwargs, "sampler": "euler"}
+    )
     assert (euler - alone).abs().max() > 1e-2

@@ -17,6 +17,7 @@ from diffusers_reference import euler as _euler
 from torch.testing import assert_close
 
 from impasto.models import SDXLComponents
+from impasto.models.sdxl import SDXLBackbone
 from impasto.objectives import PREDICTION_TARGETS, add_noise
 from impasto.sampling import (
     SAMPLERS,
@@ -27,7 +28,6 @@ from impasto.sampling import (
     get_sampler,
     guided_output,
     initial_noise,
-    latent_shape,
     make_grid,
     rescale_cfg,
     sample_ddim,
@@ -222,7 +222,7 @@ def test_generate_equals_diffusers_sdxl_pipeline(
         "prediction_type": prediction_type,
     }
     latents = generate_latents(
-        tiny, PROMPTS, negative_prompt=NEGATIVE, sampler=sampler, seed=7, **kwargs
+        SDXLBackbone(tiny), PROMPTS, negative_prompt=NEGATIVE, sampler=sampler, seed=7, **kwargs
     )
     pipe = pipeline(tiny, SCHEDULERS[sampler](prediction_type=prediction_type))
     # The pipeline draws the initial latents, then each ancestral step's noise, from row i's
@@ -242,7 +242,9 @@ def test_generate_equals_diffusers_sdxl_pipeline(
 
     if prediction_type != "epsilon":
         return  # decoding is the same for every prediction type
-    images = generate(tiny, PROMPTS, negative_prompt=NEGATIVE, sampler=sampler, seed=7, **kwargs)
+    images = generate(
+        SDXLBackbone(tiny), PROMPTS, negative_prompt=NEGATIVE, sampler=sampler, seed=7, **kwargs
+    )
     reference_images = pipe.image_processor.postprocess(
         tiny.vae.decode(reference / tiny.vae_scaling_factor).sample, output_type="pt"
     )
@@ -256,12 +258,17 @@ def test_euler_trailing_and_linspace_equal_diffusers_up_to_its_prior(
 ) -> None:
     """diffusers' Euler starts these at σ_max·ε, impasto at sqrt(σ_max² + 1)·ε (DDPM prior)."""
     latents = generate_latents(
-        tiny, PROMPTS[:1], negative_prompt=NEGATIVE, num_steps=5, spacing=spacing, seed=1
+        SDXLBackbone(tiny),
+        PROMPTS[:1],
+        negative_prompt=NEGATIVE,
+        num_steps=5,
+        spacing=spacing,
+        seed=1,
     )
     scheduler = _euler(spacing)
     scheduler.set_timesteps(5)
     sigma_max = scheduler.sigmas[0]
-    noise = initial_noise(1, latent_shape(tiny, 64, 64), seed=1)
+    noise = initial_noise(1, SDXLBackbone(tiny).latent_shape(64, 64), seed=1)
     reference = pipeline(tiny, scheduler)(
         PROMPTS[:1],
         negative_prompt=NEGATIVE,
@@ -277,19 +284,23 @@ def test_euler_trailing_and_linspace_equal_diffusers_up_to_its_prior(
 
 def test_guidance_scale_one_is_the_conditional_model(tiny: SDXLComponents) -> None:
     kwargs = {"num_steps": 4, "guidance_scale": 1.0, "seed": 3}
-    latents = generate_latents(tiny, PROMPTS, negative_prompt="anything at all", **kwargs)
-    assert torch.equal(latents, generate_latents(tiny, PROMPTS, negative_prompt="", **kwargs))
+    latents = generate_latents(
+        SDXLBackbone(tiny), PROMPTS, negative_prompt="anything at all", **kwargs
+    )
+    assert torch.equal(
+        latents, generate_latents(SDXLBackbone(tiny), PROMPTS, negative_prompt="", **kwargs)
+    )
     reference = pipeline(tiny, _euler())(
         PROMPTS,
         num_inference_steps=4,
         guidance_scale=1.0,
         height=64,
         width=64,
-        latents=initial_noise(2, latent_shape(tiny, 64, 64), seed=3),
+        latents=initial_noise(2, SDXLBackbone(tiny).latent_shape(64, 64), seed=3),
         output_type="latent",
     ).images
     assert_close(latents, reference, **LATENT_TOL)
-    guided = generate_latents(tiny, PROMPTS, **{**kwargs, "guidance_scale": 5.0})
+    guided = generate_latents(SDXLBackbone(tiny), PROMPTS, **{**kwargs, "guidance_scale": 5.0})
     assert (guided - latents).abs().max() > 1e-2
 
 
@@ -298,14 +309,16 @@ def test_guidance_scale_one_is_the_conditional_model(tiny: SDXLComponents) -> No
 
 def test_same_seed_same_image_and_independent_of_batch(tiny: SDXLComponents) -> None:
     kwargs = {"negative_prompt": NEGATIVE, "num_steps": 3, "guidance_scale": 5.0}
-    batch = generate(tiny, ["a green triangle", *PROMPTS], seed=10, **kwargs)
-    assert torch.equal(batch, generate(tiny, ["a green triangle", *PROMPTS], seed=10, **kwargs))
+    batch = generate(SDXLBackbone(tiny), ["a green triangle", *PROMPTS], seed=10, **kwargs)
+    assert torch.equal(
+        batch, generate(SDXLBackbone(tiny), ["a green triangle", *PROMPTS], seed=10, **kwargs)
+    )
     # Row j uses seed + j: the batch's second image alone, from seed 11.
-    alone = generate(tiny, PROMPTS[:1], seed=11, **kwargs)
+    alone = generate(SDXLBackbone(tiny), PROMPTS[:1], seed=11, **kwargs)
     assert_close(alone[0], batch[1], rtol=0, atol=1e-5)
-    repeated = generate(tiny, PROMPTS[:1], num_images_per_prompt=2, seed=11, **kwargs)
+    repeated = generate(SDXLBackbone(tiny), PROMPTS[:1], num_images_per_prompt=2, seed=11, **kwargs)
     assert_close(repeated[0], alone[0], rtol=0, atol=1e-5)
-    other_seed = generate(tiny, PROMPTS[:1], seed=12, **kwargs)
+    other_seed = generate(SDXLBackbone(tiny), PROMPTS[:1], seed=12, **kwargs)
     assert_close(repeated[1], other_seed[0], rtol=0, atol=1e-5)
     assert (other_seed - alone).abs().max() > 1e-3
 
@@ -316,7 +329,7 @@ def test_generate_restores_modes_and_leaves_global_rng(tiny: SDXLComponents) -> 
     modes = {name: module.training for name, module in tiny.unet.named_modules()}
     rng_state = torch.get_rng_state()
     try:
-        generate(tiny, PROMPTS[:1], num_steps=2, sampler="ddim")
+        generate(SDXLBackbone(tiny), PROMPTS[:1], num_steps=2, sampler="ddim")
         assert {name: module.training for name, module in tiny.unet.named_modules()} == modes
         assert not tiny.vae.training and not tiny.text_encoder.training
         assert torch.equal(torch.get_rng_state(), rng_state)
@@ -326,15 +339,15 @@ def test_generate_restores_modes_and_leaves_global_rng(tiny: SDXLComponents) -> 
 
 def test_generate_rejects_bad_arguments(tiny: SDXLComponents) -> None:
     with pytest.raises(ValueError, match="multiples of 8"):
-        generate(tiny, PROMPTS, height=60)
+        generate(SDXLBackbone(tiny), PROMPTS, height=60)
     with pytest.raises(ValueError, match="negative_prompt has 1 entries for 2 prompts"):
-        generate(tiny, PROMPTS, negative_prompt=["x"])
+        generate(SDXLBackbone(tiny), PROMPTS, negative_prompt=["x"])
     with pytest.raises(ValueError, match="valid samplers"):
-        generate(tiny, PROMPTS, sampler="dpm")
+        generate(SDXLBackbone(tiny), PROMPTS, sampler="dpm")
     with pytest.raises(ValueError, match="valid types"):
-        generate(tiny, PROMPTS, prediction_type="x0", num_steps=1)
+        generate(SDXLBackbone(tiny), PROMPTS, prediction_type="x0", num_steps=1)
     with pytest.raises(ValueError, match="list of strings"):
-        generate(tiny, "a red circle")
+        generate(SDXLBackbone(tiny), "a red circle")
 
 
 # --- images -----------------------------------------------------------------------------------

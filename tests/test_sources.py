@@ -14,7 +14,8 @@ import pytest
 
 from impasto.config import build_config
 from impasto.data import read_caption, read_manifest, scan_image_folder
-from impasto.train.trainer import Trainer, load_records, record_loss_weights
+from impasto.data.pipeline import load_records, record_loss_weights
+from impasto.train.trainer import Trainer
 
 
 @pytest.fixture
@@ -88,9 +89,9 @@ def test_a_manifest_run_carries_row_weights_into_batches(images, tiny_raw, tmp_p
     tiny_raw["data"].update(source="manifest", path=str(manifest))
     config = build_config(tiny_raw)
     trainer = Trainer(config, resume=False)
-    batch, _ = next(trainer.stream)
+    batch = next(trainer.data.stream)
     assert batch.loss_weights.tolist() == [1.0 + i for i in batch.indices.tolist()]
-    assert record_loss_weights(config, trainer.records) == [1.0, 2.0, 3.0, 4.0]
+    assert record_loss_weights(config, trainer.data.records) == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_subfolders_need_a_folder_source(tiny_raw):
@@ -142,7 +143,7 @@ def test_mixed_sources_with_repeats_and_weights_train(images, tiny_raw, tmp_path
     tiny_raw["train"]["max_steps"] = 2
     config = build_config(tiny_raw)
     trainer = Trainer(config, resume=False)
-    got = [(r.caption, r.weight) for r in trainer.records]
+    got = [(r.caption, r.weight) for r in trainer.data.records]
     assert got == [
         ("folder 0", 1.0),
         ("folder 0", 1.0),
@@ -154,9 +155,9 @@ def test_mixed_sources_with_repeats_and_weights_train(images, tiny_raw, tmp_path
         ("parquet row", 3.0),
         ("hf row", 1.0),
     ]  # fmt: skip; images 2 and 3 of the folder have no caption: left out
-    assert trainer.records[4].read_bytes() == images[0].read_bytes()
-    assert trainer.records[-1].read_bytes() == images[0].read_bytes()
-    assert trainer.bucket_of == [(64, 64)] * 9
+    assert trainer.data.records[4].read_bytes() == images[0].read_bytes()
+    assert trainer.data.records[-1].read_bytes() == images[0].read_bytes()
+    assert trainer.data.stream.loader.dataset.bucket_of == [(64, 64)] * 9
     result = trainer.run()
     assert result.state.step == 2 and result.state.images_bad == 0
 

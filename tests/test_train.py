@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from impasto.checkpoint import stateful as state_module
 from impasto.cli import main
 from impasto.config import build_config
-from impasto.train import setup as step_setup
-from impasto.train import state as state_module
+from impasto.train.methods.denoise import DenoiseMethod
 from impasto.train.trainer import train
 
 
@@ -78,7 +79,7 @@ def test_tiny_run_lowers_the_loss(tmp_path, demo_folder):
     config_text = (result.run_dir / "config.yaml").read_text()
     assert config_text.startswith("# config_hash: ")
     state = json.loads((result.last_checkpoint / "state.json").read_text())
-    assert config_text.split()[2] == state["config_hash"]
+    assert config_text.split()[2] == state["run"]["config_hash"]
 
 
 def test_resume_is_bitwise_identical(tmp_path, demo_folder, straight_run):
@@ -112,15 +113,17 @@ def test_memory_cache_resumes_bitwise_and_matches_fresh_encodings(tmp_path, demo
 def test_encoding_memo_equals_batch_encoding_and_encodes_each_item_once(demo_folder):
     from impasto.data import build_dataloader, scan_image_folder
     from impasto.models import build_tiny, encode_prompts
+    from impasto.models.sdxl import SDXLBackbone
     from impasto.train.memo import EncodingMemo
 
     records = scan_image_folder(demo_folder)
     loader, _ = build_dataloader(records, 64, "center", False, 8, seed=0, caption_dropout=0.5)
     batch = next(iter(loader))
     models, memo = build_tiny(0), EncodingMemo(latents=True, text_embeddings=True)
+    backbone = SDXLBackbone(models)
     with torch.no_grad():
-        mean, std = memo.posterior(models, batch)
-        prompts = memo.prompts(models, batch.captions, contextlib.nullcontext)
+        mean, std = memo.posterior(backbone, batch)
+        prompts = memo.text(backbone, batch.captions, contextlib.nullcontext)
         posterior = models.vae.encode(batch.pixel_values).latent_dist
         reference = encode_prompts(models, batch.captions)
     torch.testing.assert_close(mean, posterior.mean, rtol=0, atol=1e-5)
@@ -128,9 +131,12 @@ def test_encoding_memo_equals_batch_encoding_and_encodes_each_item_once(demo_fol
     torch.testing.assert_close(prompts.prompt_embeds, reference.prompt_embeds, rtol=0, atol=1e-5)
     torch.testing.assert_close(prompts.pooled_prompt_embeds, reference.pooled_prompt_embeds)
     assert len(memo._posteriors) == len(set(batch.indices.tolist()))
-    assert len(memo._prompts) == len(set(batch.captions))
-    memo._prompts = {key: (e + 1, p) for key, (e, p) in memo._prompts.items()}  # served from RAM
-    again = memo.prompts(models, batch.captions, contextlib.nullcontext)
+    assert len(memo._texts) == len(set(batch.captions))
+    memo._texts = {  # served from RAM
+        key: replace(text, prompt_embeds=text.prompt_embeds + 1)
+        for key, text in memo._texts.items()
+    }
+    again = memo.text(backbone, batch.captions, contextlib.nullcontext)
     torch.testing.assert_close(again.prompt_embeds, prompts.prompt_embeds + 1)
 
 
@@ -161,7 +167,7 @@ def test_sigterm_saves_after_the_step_and_resume_matches(
     tmp_path, demo_folder, straight_run, monkeypatch
 ):
     raw = _raw(demo_folder, tmp_path / "run")
-    real_step = step_setup.training_step
+    real_step = DenoiseMethod.step
     calls = []
 
     def step_then_signal(*args, **kwargs):
@@ -170,7 +176,7 @@ def test_sigterm_saves_after_the_step_and_resume_matches(
             os.kill(os.getpid(), signal.SIGTERM)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(step_setup, "training_step", step_then_signal)
+    monkeypatch.setattr(DenoiseMethod, "step", step_then_signal)
     stopped = train(build_config(raw))
     assert stopped.interrupted and stopped.state.step == 3
     assert stopped.last_checkpoint.name == "step-00000003"
@@ -221,7 +227,8 @@ def test_epochs_accumulation_and_lr_schedule(tmp_path, demo_folder):
     result = train(build_config(raw))
     # 16 images / batch 4 = 4 micro-batches per epoch; 3 epochs / accumulation 2 = 6 steps.
     assert result.state.step == 6 and result.state.samples_seen == 48
-    assert (result.state.epoch, result.state.batch_in_epoch) == (3, 0)
+    position = json.loads((result.last_checkpoint / "state.json").read_text())["data"]
+    assert (position["epoch"], position["batch_in_epoch"]) == (3, 0)
     records = [
         json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
     ]
@@ -250,17 +257,17 @@ def test_bf16_autocast_path_runs_on_cpu(tmp_path, demo_folder, straight_run):
 def test_nonfinite_gradients_skip_steps_then_stop(tmp_path, demo_folder, monkeypatch):
     raw = _raw(demo_folder, tmp_path / "run", max_steps=6, max_nonfinite_steps=2)
     raw["checkpoint"]["every_steps"] = 2
-    real_step = step_setup.training_step
+    real_step = DenoiseMethod.step
     calls = []
 
     def poisoned(*args, **kwargs):
         out = real_step(*args, **kwargs)
         calls.append(1)
         if len(calls) == 3 or len(calls) >= 5:  # step 3 once, then steps 5 and 6 in a row
-            return type(out)(out.loss * float("nan"), out.per_sample_loss, out.timesteps)
+            return replace(out, loss=out.loss * float("nan"))
         return out
 
-    monkeypatch.setattr(step_setup, "training_step", poisoned)
+    monkeypatch.setattr(DenoiseMethod, "step", poisoned)
     with pytest.raises(FloatingPointError, match="2 non-finite steps in a row"):
         train(build_config(raw))
     kept = _weights(tmp_path / "run", 4)

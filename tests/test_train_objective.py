@@ -16,10 +16,11 @@ from impasto.checkpoint.trained import read_model_metadata
 from impasto.config import build_config, load_config
 from impasto.config.schema import ObjectiveConfig
 from impasto.inference import model_sampling_options
+from impasto.models.sdxl import SDXLBackbone
 from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas
 from impasto.objectives.objective import Objective
 from impasto.sampling import get_sampler
-from impasto.train.step import training_step
+from impasto.train.methods.denoise import denoising_loss
 from impasto.train.trainer import train
 
 
@@ -193,8 +194,8 @@ def test_per_sample_loss_weights_and_masks_multiply_in(tiny):
     objective = Objective.from_config(ObjectiveConfig())
 
     def per_sample(**changes):
-        out = training_step(
-            tiny,
+        out = denoising_loss(
+            SDXLBackbone(tiny),
             objective,
             replace(batch, **changes),
             torch.Generator().manual_seed(1),

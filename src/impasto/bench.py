@@ -33,9 +33,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from impasto.config import Config, build_config
 from impasto.config.load import apply_override
 from impasto.data import Batch
-from impasto.models import add_time_ids, load_model
+from impasto.models import add_time_ids
+from impasto.models.backbone import build_backbone
+from impasto.precision import autocast_factory, resolve_device, resolve_precision
 from impasto.train.optim import set_lr
-from impasto.train.precision import autocast_factory, resolve_device, resolve_precision
 from impasto.train.setup import build_step_setup
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -140,7 +141,7 @@ class DiffusersStep:
 
     def __init__(self, config: Config, device: torch.device) -> None:
         self.device = device
-        self.unet = load_model(config).unet.to(device).train()
+        self.unet = build_backbone(config).denoiser().to(device).train()
         self.optimizer = torch.optim.AdamW(self.unet.parameters(), lr=config.optim.lr)
         self.scheduler = DDPMScheduler(
             beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012
@@ -182,11 +183,12 @@ class ImpastoStep:
         precision = resolve_precision(config.train.mixed_precision, device)
         self.setup = build_step_setup(config, device, precision)
         self.max_grad_norm = config.optim.max_grad_norm
-        self.unet = self.setup.models.unet
+        backbone = self.setup.backbone
+        self.unet = backbone.denoiser()
         self.number = 0
-        if not self.setup.train_text:  # text comes with the batch: free the encoders' memory
-            models = self.setup.models
-            for module in (models.vae, models.text_encoder, models.text_encoder_2):
+        # Latents and text come with the batch: free the memory of the untrained encoders.
+        for name, module in backbone.modules().items():
+            if name not in self.setup.trainable and module is not self.unet:
                 module.to("cpu")
 
     def prepare(self, batch: Batch) -> None:

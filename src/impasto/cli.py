@@ -1,27 +1,53 @@
 """The ``impasto`` command line: argument parsing only; every command calls the Python API.
 
-User mistakes (bad config, missing files, unreadable data) print one line and exit with code 2;
-set ``IMPASTO_DEBUG=1`` to see the traceback instead.
+User mistakes (bad config, missing files, unreadable data) print one line each and exit with
+code 2. A config is checked in two passes (:func:`impasto.api.load_config`): its structure, which
+needs no torch, so a bad key is reported in well under a second, then the names that select code.
+Library notices a user cannot act on are hidden; set ``IMPASTO_DEBUG=1`` to see them and to see
+the traceback of an error instead of its line.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from impasto.config import Config
 
 EXIT_USAGE = 2
 
+# Library log records about choices impasto makes, not the user, dropped unless IMPASTO_DEBUG=1:
+# diffusers warns on every `module.to(dtype)` (impasto casts the VAE and exports itself), and
+# transformers notes that an image processor diffusers imports lacks torchvision (none is used).
+UNACTIONABLE_LOGGERS = ("diffusers.models.modeling_utils", "transformers.utils.import_utils")
+UNACTIONABLE_MESSAGES = ("that should be kept in float32", "requires torchvision (not installed)")
+
+
+def _debug() -> bool:
+    return bool(os.environ.get("IMPASTO_DEBUG"))
+
+
+def _load_config(args: argparse.Namespace) -> Config:
+    from impasto.api import load_config
+
+    return load_config(args.config, args.set or [])
+
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from impasto.config import config_to_yaml, load_config
+    from impasto.config import config_to_yaml
 
-    config = load_config(args.config, args.set or [])
+    config = _load_config(args)
     if args.print_config:
         print(config_to_yaml(config), end="")
         return 0
+    _quiet_progress_bars()
     from impasto.train import train
 
     result = train(config, resume=not args.no_resume)
@@ -29,10 +55,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from impasto.config import load_config
-    from impasto.train.trainer import cache_data
+    config = _load_config(args)
+    _quiet_progress_bars()
+    from impasto.data.pipeline import cache_data
 
-    report = cache_data(load_config(args.config, args.set or []))
+    report = cache_data(config)
     print(f"impasto: {report.format()}")
     return 0
 
@@ -42,6 +69,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from impasto.bench import format_report, run_bench
 
+    _check_bench_names(args)
+    _quiet_progress_bars()
     report = run_bench(
         model=args.model,
         resolution=args.resolution,
@@ -58,9 +87,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_bench_names(args: argparse.Namespace) -> None:
+    """The registry names of the user's part of the bench config (``--model``, ``--set``);
+    ``bench_config`` checks structure only. The variants' own names are impasto's."""
+    from impasto.bench import DEFAULT_RESOLUTION, bench_config
+    from impasto.train.checks import check_config
+
+    resolution = args.resolution or DEFAULT_RESOLUTION.get(args.model, 1024)
+    options = (args.model, resolution, args.batch, args.precision, args.device, args.set or [])
+    check_config(bench_config(*options))
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from impasto.inference import SampleRequest, sample_checkpoint
 
+    _quiet_progress_bars()
     request = SampleRequest(
         prompts=tuple(args.prompt),
         negative_prompt=args.negative,
@@ -79,12 +120,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as transformers_logging
-
     from impasto.export import ExportOptions, export_checkpoint
 
-    transformers_logging.disable_progress_bar()  # per-module "Loading weights" bars
-
+    _quiet_progress_bars()
     options = ExportOptions(args.dtype, args.merge, args.merge_lora, args.lora_scale, args.ema)
     print(export_checkpoint(args.checkpoint, args.format, args.out, options))
     return 0
@@ -101,10 +139,9 @@ def cmd_data_demo(args: argparse.Namespace) -> int:
 def cmd_inspect_objective(args: argparse.Namespace) -> int:
     import json
 
-    from impasto.config import load_config
+    config = _load_config(args)
     from impasto.inspect_objective import format_rows, objective_rows, plot_rows
 
-    config = load_config(args.config, args.set or [])
     size = config.data.resolution
     rows = objective_rows(config.objective, image_size=(size, size))
     print(json.dumps(rows) if args.json else format_rows(rows))
@@ -246,15 +283,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """Hide library notices a user cannot act on (issue #13); set before the libraries load."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # diffusers' deprecation notices name arguments of calls impasto makes, not the user.
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated and will be removed in version", category=FutureWarning
+    )
+    for name in UNACTIONABLE_LOGGERS:
+        logging.getLogger(name).addFilter(_is_actionable)  # the same filter is added only once
+
+
+def _is_actionable(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not any(text in message for text in UNACTIONABLE_MESSAGES)
+
+
+def _quiet_progress_bars() -> None:
+    """No per-module "Loading weights" or checkpoint-shard bars while a command loads models.
+
+    Called by the commands that load weights, which import these libraries anyway."""
+    if _debug():
+        return
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
+def _error_lines(error: Exception) -> list[str]:
+    """A :class:`ConfigError` lists every problem, one per line; other errors show their first
+    line (the rest, such as pydantic's per-field detail, is for ``IMPASTO_DEBUG=1``)."""
+    from impasto.config.load import ConfigError
+
+    lines = str(error).splitlines() or [type(error).__name__]
+    return lines if isinstance(error, ConfigError) else lines[:1]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not _debug():
+        _quiet_libraries()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:
-        if os.environ.get("IMPASTO_DEBUG"):
+        if _debug():
             raise
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"impasto: error: {message}", file=sys.stderr)
+        for line in _error_lines(error):
+            print(f"impasto: error: {line}", file=sys.stderr)
         return EXIT_USAGE
     except FloatingPointError as error:
         print(f"impasto: error: {error}", file=sys.stderr)

@@ -57,13 +57,12 @@ def score_demo_checkpoint(
     checkpoint: str | Path, images_per_prompt: int = 2, device: str = "cpu"
 ) -> DemoScore:
     """Colour and shape accuracy of ``images_per_prompt`` samples per demo prompt."""
-    config, models = load_trained(checkpoint)
-    for module in (models.unet, models.vae, models.text_encoder, models.text_encoder_2):
-        module.to(device)
+    config, backbone = load_trained(checkpoint)
+    backbone.to(device)
     specs = demo_prompts()
     with torch.no_grad():
         images = generate(
-            models,
+            backbone,
             [demo_caption(*spec) for spec in specs],
             num_images_per_prompt=images_per_prompt,
             num_steps=config.sample.num_steps,

@@ -33,8 +33,9 @@ from impasto.config import Config
 from impasto.models import SDXLComponents
 from impasto.models.io import save_diffusers, sdxl_scheduler
 from impasto.models.lora_kohya import merge_kohya, to_kohya
+from impasto.models.parts import ADAPTER_NAME
+from impasto.models.sdxl import PART_NAMES as PARTS
 from impasto.models.single_file import save_single_file
-from impasto.train.parts import ADAPTER_NAME, PARTS
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -87,6 +88,18 @@ def merge_adapters(module: nn.Module) -> None:
             setattr(parent, attribute, child.get_base_layer())
 
 
+def sdxl_trained(checkpoint: str | Path, ema: bool = False) -> tuple[Config, SDXLComponents]:
+    """The run's config and SDXL components: every export format here is SDXL's (another
+    family brings its own exporter)."""
+    config, backbone = load_trained(checkpoint, ema=ema)
+    if backbone.family != "sdxl":
+        raise ValueError(
+            f"export: the formats here are SDXL's; this run trained model.family "
+            f"{backbone.family!r}"
+        )
+    return config, backbone.components
+
+
 def _full_model(config: Config, models: SDXLComponents, options: ExportOptions, fmt: str) -> None:
     """Make ``models`` a plain SDXL model: merge the run's adapters, then ``merge_lora``."""
     adapters = adapter_parts(config)
@@ -107,7 +120,7 @@ def _full_model(config: Config, models: SDXLComponents, options: ExportOptions, 
 
 
 def export_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
-    config, models = load_trained(checkpoint, ema=options.ema)
+    config, models = sdxl_trained(checkpoint, ema=options.ema)
     _full_model(config, models, options, "diffusers folder")
     for name in (*PARTS, "vae"):
         getattr(models, name).to(DTYPES[options.dtype])
@@ -120,7 +133,7 @@ def _adapter_states(
 ) -> tuple[Config, SDXLComponents, dict[str, dict]]:
     """The run's config, models and peft adapter weights per adapted part (EMA ones with
     ``ema``)."""
-    config, models = load_trained(checkpoint, ema=ema)
+    config, models = sdxl_trained(checkpoint, ema=ema)
     adapters = adapter_parts(config)
     if not adapters:
         raise ValueError("export: this run trained no adapters (parts.* = lora); nothing to export")
@@ -182,7 +195,7 @@ def _title(checkpoint: str | Path) -> str:
 
 
 def export_single_file(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
-    config, models = load_trained(checkpoint, ema=options.ema)
+    config, models = sdxl_trained(checkpoint, ema=options.ema)
     _full_model(config, models, options, "single file")
     metadata = modelspec_metadata(config, _title(checkpoint), lora=False) | model_metadata(config)
     save_single_file(

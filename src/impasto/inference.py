@@ -67,14 +67,14 @@ def sample_checkpoint(
     Each PNG carries its parameters in a ``parameters`` text chunk (as A1111 writes them).
     The same seed gives the same image, whatever the number of prompts or images.
     """
-    config, models = load_trained(checkpoint, ema=request.ema)
+    config, backbone = load_trained(checkpoint, ema=request.ema)
     size = request.size or config.data.resolution  # generate() checks it against the VAE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for prompt in request.prompts:
         images = generate(
-            models,
+            backbone,
             [prompt] * request.num_images,
             negative_prompt=request.negative_prompt,
             num_steps=request.num_steps,

@@ -9,16 +9,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
 from PIL import Image, ImageDraw
 
 from impasto.config.schema import ObjectiveConfig
-from impasto.objectives import (
-    FLOW_TIME_DENSITIES,
-    TIMESTEP_PROBABILITIES,
-    shifted_flow_density,
-    sigmas_from_alphas_cumprod,
-)
 from impasto.objectives.objective import Objective
 
 COLUMNS = ("t", "sigma", "snr", "prob", "weight")
@@ -33,22 +26,11 @@ def objective_rows(
     "sigma", which is t itself); SNR; the sampling probability P(t) (for flow the density of the
     shifted t, at ``image_size`` (H, W) when ``flow_shift_resolution`` is set); the loss weight.
     """
-    resolved = Objective.from_config(objective)
-    num_steps = objective.num_train_timesteps
-    params = objective.timestep_sampler_params()
-    if objective.is_flow:
-        times = (torch.arange(num_steps, dtype=torch.float64) + 0.5) / num_steps
-        density = FLOW_TIME_DENSITIES[objective.timestep_sampling]
-        shift = resolved.flow_shift(image_size)
-        probabilities = shifted_flow_density(density, times, shift, **params)
-        snr = resolved.snr(times)
-        sigmas = snr.rsqrt()
-    else:
-        times = torch.arange(num_steps)
-        probabilities = TIMESTEP_PROBABILITIES[objective.timestep_sampling](num_steps, **params)
-        snr = resolved.snr(times)
-        sigmas = sigmas_from_alphas_cumprod(resolved.alphas_cumprod)
-    weights = resolved.loss_weights(times)
+    process = Objective.from_config(objective).process
+    times = process.grid_times()
+    probabilities = process.time_probabilities(times, image_size)
+    snr, sigmas = process.snr(times), process.sigmas(times)
+    weights = process.loss_weights(times)
     return [
         {
             "t": times[i].item(),
@@ -57,7 +39,7 @@ def objective_rows(
             "prob": probabilities[i].item(),
             "weight": weights[i].item(),
         }
-        for i in range(num_steps)
+        for i in range(times.shape[0])
     ]
 
 

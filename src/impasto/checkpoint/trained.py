@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from impasto.checkpoint.state import STATE_FILE, latest_checkpoint
 from impasto.config import Config, build_config
-from impasto.models import SDXLComponents, load_model
+from impasto.models.backbone import Backbone, build_backbone
 
 
 def model_metadata(config: Config) -> dict[str, str]:
@@ -68,22 +68,22 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return newest
 
 
-def load_trained(path: str | Path, ema: bool = False) -> tuple[Config, SDXLComponents]:
-    """The config and the components, with the trained parts, of a checkpoint or run directory.
+def load_trained(path: str | Path, ema: bool = False) -> tuple[Config, Backbone]:
+    """The config and the backbone, with the trained parts, of a checkpoint or run directory.
 
     The parts are rebuilt as the run built them (``parts``/``lora`` of its config: adapters
     injected, then their weights loaded), every module frozen and in eval mode. ``ema``: the
     trained parameters take the checkpoint's EMA weights (``ema.safetensors``) instead.
     """
-    from impasto.train.parts import load_part_weights, prepare_parts
+    from impasto.models.parts import load_part_weights, prepare_parts
 
     checkpoint = resolve_checkpoint(path)
     config_file = checkpoint / "config.yaml"
     if not config_file.is_file():
         raise ValueError(f"checkpoint {checkpoint}: no config.yaml; it was not written by impasto")
     config = build_config(yaml.safe_load(config_file.read_text(encoding="utf-8")))
-    models = load_model(config)
-    parts = prepare_parts(config, models)
+    backbone = build_backbone(config)
+    parts = prepare_parts(config, backbone)
     tensors = {}
     for name in parts:
         weights = checkpoint / f"{name}.safetensors"
@@ -98,9 +98,9 @@ def load_trained(path: str | Path, ema: bool = False) -> tuple[Config, SDXLCompo
     load_part_weights(parts, tensors, f"checkpoint {checkpoint}")
     if ema:
         load_ema_weights(parts, checkpoint)
-    for module in (models.unet, models.vae, models.text_encoder, models.text_encoder_2):
+    for module in backbone.modules().values():
         module.requires_grad_(False).eval()
-    return config, models
+    return config, backbone
 
 
 def load_ema_weights(parts: dict, checkpoint: Path) -> None:

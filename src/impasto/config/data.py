@@ -136,34 +136,32 @@ class DataConfig(Section):
         if self.buckets == "generated":
             if self.bucket_step % 8:
                 raise ValueError(f"bucket_step must be a multiple of 8, got {self.bucket_step}")
-            self.bucket_list()  # side and area errors now, not at the first batch
+            self._check_bucket_sides()  # now, not at the first batch
         return self
 
-    def caption_tools(self):
-        """The :class:`~impasto.data.captions.CaptionTools` these settings describe."""
-        from impasto.data.captions import CaptionTools
-
-        return CaptionTools(
-            shuffle=self.shuffle_tags,
-            keep_tags=self.keep_tags,
-            tag_dropout=self.tag_dropout,
-            prefix=self.caption_prefix,
-            suffix=self.caption_suffix,
-            separator=self.tag_separator,
-        )
-
-    def bucket_list(self) -> list[tuple[int, int]] | None:
-        """The (height, width) buckets of ``buckets``, or None for square ``resolution``."""
-        from impasto.data.buckets import SDXL_BUCKETS, generate_buckets
-
-        if self.buckets == "none":
-            return None
-        if self.buckets == "sdxl":
-            return list(SDXL_BUCKETS)
+    def bucket_sides(self) -> tuple[int, int, int]:
+        """``(min_side, max_side, step)`` of generated buckets, defaults filled in."""
         step = self.bucket_step
         low = self.bucket_min_side or max(step, self.resolution // 2 // step * step)
         high = self.bucket_max_side or self.resolution * 2 // step * step
-        return generate_buckets(self.resolution**2, low, high, step)
+        return low, high, step
+
+    def _check_bucket_sides(self) -> None:
+        # The rules of impasto.data.buckets.generate_buckets, restated so that loading a
+        # config imports no data code (torch, PIL); they guarantee a non-empty bucket list.
+        low, high, step = self.bucket_sides()
+        if low % step or high % step:
+            raise ValueError(
+                f"bucket_min_side ({low}) and bucket_max_side ({high}) must be multiples of "
+                f"bucket_step ({step})"
+            )
+        if low > high:
+            raise ValueError(f"bucket_min_side {low} is larger than bucket_max_side {high}")
+        if low > self.resolution:
+            raise ValueError(
+                f"bucket_min_side {low} is above resolution {self.resolution} (buckets hold at "
+                "most resolution² pixels)"
+            )
 
 
 class CacheConfig(Section):

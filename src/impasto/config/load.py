@@ -1,7 +1,8 @@
 """YAML → validated :class:`Config`, dotted overrides, migrations and the config hash.
 
-Every user mistake becomes one :class:`ConfigError` line naming the dotted key and the fix; the
-CLI prints it and exits with code 2.
+Every user mistake becomes one :class:`ConfigError` line naming the dotted key and the fix, and
+every mistake of a config is reported at once; the CLI prints each line and exits with code 2.
+Validation here is structural; :func:`impasto.train.checks.check_config` checks the registry names.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from impasto.config.schema import CONFIG_VERSION, Config
 
 
 class ConfigError(ValueError):
-    """A user-facing configuration problem; the message is a single line."""
+    """User-facing configuration problems; the message has one line per problem."""
 
 
 # config_version N → N+1. Each migration takes and returns the raw mapping.
@@ -86,7 +88,7 @@ def build_config(raw: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as error:
-        raise ConfigError(_describe(error)) from None
+        raise ConfigError("\n".join(_describe_all(error))) from None
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
@@ -122,12 +124,29 @@ def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> l
     return lines
 
 
-def _describe(error: ValidationError) -> str:
-    """The first validation error as ``dotted.path: message, got value``."""
-    first = error.errors()[0]
-    loc = [str(part) for part in first["loc"]]
+def _describe_all(error: ValidationError) -> list[str]:
+    """One line per wrong key. A value that fits no member of a union (``"none" | list``) gets
+    one error per member from pydantic; only the first is kept, as it names the key."""
+    lines, seen = [], set()
+    for details in error.errors():
+        key = tuple(part for part in details["loc"] if not _is_union_member(part))
+        if key not in seen:
+            seen.add(key)
+            lines.append(_describe(details))
+    return lines
+
+
+def _is_union_member(part: str | int) -> bool:
+    # pydantic names a union member by its type, e.g. "literal['none','all']" or "list[str]";
+    # config keys are identifiers and list positions are ints.
+    return isinstance(part, str) and not part.isidentifier()
+
+
+def _describe(details: ErrorDetails) -> str:
+    """One validation error as ``dotted.path: message, got value``."""
+    loc = [str(part) for part in details["loc"] if not _is_union_member(part)]
     path = ".".join(loc) or "config"
-    kind, message, value = first["type"], first["msg"], first.get("input")
+    kind, message, value = details["type"], details["msg"], details.get("input")
     if kind == "extra_forbidden":
         section_keys = _keys_at(Config, loc[:-1])
         hint = difflib.get_close_matches(loc[-1], section_keys, n=1)

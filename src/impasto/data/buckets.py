@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
@@ -423,3 +424,14 @@ def draw_fill(pool: Sequence[int], num: int, generator: torch.Generator) -> list
         order = torch.randperm(len(pool), generator=generator).tolist()
         picks += [pool[i] for i in order[: num - len(picks)]]
     return picks
+
+
+def buckets_from(data: Any) -> list[tuple[int, int]] | None:
+    """The (height, width) buckets of a ``data`` config section's ``buckets``, or None for
+    square ``resolution`` images."""
+    if data.buckets == "none":
+        return None
+    if data.buckets == "sdxl":
+        return list(SDXL_BUCKETS)
+    low, high, step = data.bucket_sides()
+    return generate_buckets(data.resolution**2, low, high, step)

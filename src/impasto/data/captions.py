@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -93,3 +94,15 @@ def tag_frequency_weights(
     return [
         1.0 if score is None else min(max_weight, max(min_weight, score / mean)) for score in scores
     ]
+
+
+def caption_tools_from(data: Any) -> CaptionTools:
+    """The :class:`CaptionTools` a ``data`` config section describes."""
+    return CaptionTools(
+        shuffle=data.shuffle_tags,
+        keep_tags=data.keep_tags,
+        tag_dropout=data.tag_dropout,
+        prefix=data.caption_prefix,
+        suffix=data.caption_suffix,
+        separator=data.tag_separator,
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from impasto.models.backbone import BACKBONES, Backbone, build_backbone, register_backbone
 from impasto.models.components import (
     PromptEmbeds,
     SDXLComponents,
@@ -44,11 +45,16 @@ def load_model(config) -> SDXLComponents:
     return load_components(model.preset, model.path, model.init_seed, model.allow_pickle)
 
 
+from impasto.models import sdxl  # noqa: E402  (registers the "sdxl" family)
+
 __all__ = [
+    "BACKBONES",
     "PRESETS",
+    "Backbone",
     "PromptEmbeds",
     "SDXLComponents",
     "add_time_ids",
+    "build_backbone",
     "build_preset",
     "build_tiny",
     "encode_prompts",
@@ -56,6 +62,8 @@ __all__ = [
     "load_components",
     "load_diffusers",
     "load_model",
+    "register_backbone",
+    "sdxl",
     "save_diffusers",
     "sdxl_scheduler",
     "to_pipeline",

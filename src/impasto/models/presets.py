@@ -18,7 +18,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from impasto.models.components import SDXLComponents
 from impasto.models.tokenizers import load_clip_tokenizers
-from impasto.vae import load_demo_vae
+from impasto.models.vae_files import load_demo_vae
 
 CLIP_VOCAB_SIZE = 49408
 CLIP_BOS_TOKEN_ID = 49406  # "<|startoftext|>"

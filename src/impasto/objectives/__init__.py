@@ -1,4 +1,8 @@
-"""Diffusion objectives as pure tensor math (torch only): schedules, noising, targets, losses."""
+"""Diffusion objectives as pure tensor math (torch only): schedules, noising, targets, losses.
+
+One noise process per kind of model (``NOISE_PROCESSES``, keyed by ``process_kind``) holds what
+differs between DDPM and rectified-flow training.
+"""
 
 from impasto.objectives.flow import (
     add_flow_noise,
@@ -25,6 +29,17 @@ from impasto.objectives.noising import (
     epsilon_target,
     sample_target,
     v_prediction_target,
+)
+from impasto.objectives.process import (
+    FLOW,
+    NOISE_PROCESSES,
+    PROCESS_KINDS,
+    FlowProcess,
+    NoiseProcess,
+    VPProcess,
+    flow_shift_at,
+    noise_process,
+    process_kind,
 )
 from impasto.objectives.schedules import (
     DEFAULT_TERMINAL_SIGMA,
@@ -61,17 +76,23 @@ from impasto.objectives.weighting import FLOW_LOSS_WEIGHTINGS, LOSS_WEIGHTINGS
 
 __all__ = [
     "DEFAULT_TERMINAL_SIGMA",
+    "FLOW",
     "FLOW_LOSS_WEIGHTINGS",
     "FLOW_TIME_DENSITIES",
     "FLOW_TIME_SAMPLERS",
     "HUBER_C_SCHEDULES",
     "LOSSES",
     "LOSS_WEIGHTINGS",
+    "NOISE_PROCESSES",
     "PREDICTION_TARGETS",
+    "PROCESS_KINDS",
     "SCHEDULES",
     "TIMESTEP_BIAS_STRATEGIES",
     "TIMESTEP_PROBABILITIES",
     "TIMESTEP_SAMPLERS",
+    "FlowProcess",
+    "NoiseProcess",
+    "VPProcess",
     "add_flow_noise",
     "add_noise",
     "alphas_cumprod_from_betas",
@@ -82,6 +103,7 @@ __all__ = [
     "finite_terminal_alphas_cumprod",
     "finite_terminal_sigmas",
     "flow_snr",
+    "flow_shift_at",
     "flow_target",
     "flow_unet_timesteps",
     "huber_loss",
@@ -91,8 +113,10 @@ __all__ = [
     "logit_normal_density",
     "mode_density",
     "mse_loss",
+    "noise_process",
     "offset_noise",
     "perturb_noise",
+    "process_kind",
     "pseudo_huber_loss",
     "pyramid_noise",
     "rescale_zero_terminal_snr",

@@ -1,28 +1,35 @@
 """Sampling: timestep ladders, ODE samplers, classifier-free guidance and SDXL generation.
 
 ``schedules``, ``samplers``, ``guidance`` and ``denoisers`` are pure tensor functions (torch
-only, k-diffusion style); ``generate`` composes them with the SDXL components.
+only, k-diffusion style); ``process`` holds what differs per kind of model (VP or flow);
+``generate`` composes them with any backbone (the protocol of ``impasto.models.backbone``)
+without importing a model family.
 """
 
 from impasto.sampling.denoisers import PREDICTION_TYPES, denoised_from_prediction, vp_denoiser
 from impasto.sampling.generate import (
-    UNetConditioning,
-    decode_latents,
     draw_noise,
     eval_mode,
     generate,
     generate_latents,
     image_generators,
     initial_noise,
-    latent_shape,
     make_grid,
+    model_forward,
     noise_source,
     sdxl_alphas_cumprod,
-    sdxl_conditioning,
     to_pil,
-    unet_forward,
 )
 from impasto.sampling.guidance import cfg, guided_output, rescale_cfg
+from impasto.sampling.process import (
+    SAMPLING_PROCESSES,
+    SamplingPlan,
+    SamplingRequest,
+    flow_plan,
+    sampling_plan,
+    ve_to_vp,
+    vp_plan,
+)
 from impasto.sampling.samplers import (
     SAMPLERS,
     Denoiser,
@@ -49,16 +56,18 @@ __all__ = [
     "FINAL_SIGMAS",
     "PREDICTION_TYPES",
     "SAMPLERS",
+    "SAMPLING_PROCESSES",
     "SPACINGS",
     "Denoiser",
     "NoiseFn",
     "SamplerSpec",
-    "UNetConditioning",
+    "SamplingPlan",
+    "SamplingRequest",
     "cfg",
-    "decode_latents",
     "denoised_from_prediction",
     "draw_noise",
     "eval_mode",
+    "flow_plan",
     "generate",
     "generate_latents",
     "get_sampler",
@@ -67,19 +76,20 @@ __all__ = [
     "initial_noise",
     "initial_noise_scale",
     "karras_ladder",
-    "latent_shape",
     "make_grid",
+    "model_forward",
     "noise_source",
     "rescale_cfg",
     "sample_ddim",
     "sample_dpmpp_2m",
     "sample_euler",
     "sample_euler_ancestral",
+    "sampling_plan",
     "sampling_timesteps",
     "sdxl_alphas_cumprod",
-    "sdxl_conditioning",
     "sigmas_for_timesteps",
     "to_pil",
-    "unet_forward",
+    "ve_to_vp",
     "vp_denoiser",
+    "vp_plan",
 ]

@@ -1,7 +1,7 @@
 """Training: the loop, the step, optimizers, LR schedules, precision and state.
 
-The loop is imported lazily: the config schema validates names against registries in this
-package (``impasto.train.optim``) and must not pull in the whole trainer.
+The loop is imported lazily, so that importing a registry of this package (``impasto.train.optim``
+for :mod:`impasto.train.checks`) does not pull in the whole trainer.
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ if TYPE_CHECKING:
 
 
 def train(config: Config, resume: bool = True) -> TrainResult:
+    """Train (or resume) the run of ``config``; its registry names are checked first, since
+    :func:`impasto.config.build_config` checks structure only."""
+    from impasto.train.checks import check_config
+
+    check_config(config)
     from impasto.train.trainer import train as _train
 
     return _train(config, resume=resume)

@@ -67,12 +67,12 @@ class FusedBackwardOptimizer:
     def param_groups(self) -> list[dict]:
         return [group for optimizer in self.optimizers for group in optimizer.param_groups]
 
-    def finish_step(self) -> tuple[float, int]:
+    def finish_step(self) -> tuple[Tensor, Tensor]:
         """After backward: the step's gradient norm (of the finite gradients) and the number of
-        parameters whose gradient was not finite. Reads them from the device (one sync)."""
+        parameters whose gradient was not finite, as device tensors (no host sync)."""
         if self._squared_norm is None:
-            return 0.0, 0
-        norm, nonfinite = self._squared_norm.sqrt().item(), int(self._nonfinite.item())
+            return torch.zeros(()), torch.zeros((), dtype=torch.long)
+        norm, nonfinite = self._squared_norm.sqrt(), self._nonfinite
         self._squared_norm = self._nonfinite = None
         return norm, nonfinite
 

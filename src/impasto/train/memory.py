@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from impasto.config.schema import MemoryConfig
+from impasto.models.backbone import Backbone
 
 ContextFactory = Callable[[], AbstractContextManager]
 
@@ -28,18 +29,8 @@ SDPA_BACKENDS = {
 }
 
 
-def unet_blocks(unet: nn.Module) -> dict[str, nn.Module]:
-    """The UNet's blocks by config name: ``down.0`` .. ``down.N``, ``mid``, ``up.0`` .. ``up.N``."""
-    blocks = {f"down.{i}": block for i, block in enumerate(unet.down_blocks)}
-    if unet.mid_block is not None:
-        blocks["mid"] = unet.mid_block
-    blocks.update({f"up.{i}": block for i, block in enumerate(unet.up_blocks)})
-    return blocks
-
-
-def select_blocks(unet: nn.Module, names: str | list[str]) -> dict[str, nn.Module]:
+def select_blocks(blocks: dict[str, nn.Module], names: str | list[str]) -> dict[str, nn.Module]:
     """``all``, ``none`` or a list of block names → those blocks (one-line error if unknown)."""
-    blocks = unet_blocks(unet)
     if names == "all":
         return blocks
     if names == "none":
@@ -47,19 +38,21 @@ def select_blocks(unet: nn.Module, names: str | list[str]) -> dict[str, nn.Modul
     unknown = [name for name in names if name not in blocks]
     if unknown:
         raise ValueError(
-            f"memory: this UNet has no block {unknown[0]!r}; its blocks: {', '.join(blocks)}"
+            f"memory: this model has no block {unknown[0]!r}; its blocks: {', '.join(blocks)}"
         )
     return {name: blocks[name] for name in names}
 
 
-def set_gradient_checkpointing(unet: nn.Module, names: str | list[str]) -> list[str]:
+def set_gradient_checkpointing(
+    denoiser: nn.Module, blocks: dict[str, nn.Module], names: str | list[str]
+) -> list[str]:
     """Recompute the activations of the chosen blocks in backward (diffusers' own checkpointing,
-    enabled for the whole UNet, then switched off in the other blocks). Returns the names."""
-    chosen = select_blocks(unet, names)
+    enabled for the whole model, then switched off in the other blocks). Returns the names."""
+    chosen = select_blocks(blocks, names)
     if not chosen:
         return []
-    unet.enable_gradient_checkpointing()
-    for name, block in unet_blocks(unet).items():
+    denoiser.enable_gradient_checkpointing()
+    for name, block in blocks.items():
         if name not in chosen:
             for module in block.modules():
                 if hasattr(module, "gradient_checkpointing"):
@@ -67,32 +60,37 @@ def set_gradient_checkpointing(unet: nn.Module, names: str | list[str]) -> list[
     return list(chosen)
 
 
-def compile_unet(unet: nn.Module, how: str, mode: str, backend: str) -> None:
-    """``torch.compile`` in place (state-dict keys unchanged): each block, or the whole UNet."""
+def compile_denoiser(
+    denoiser: nn.Module, blocks: dict[str, nn.Module], how: str, mode: str, backend: str
+) -> None:
+    """``torch.compile`` in place (state-dict keys unchanged): each block, or the whole model."""
     if how == "none":
         return
     options = {"backend": backend, "mode": None if mode == "default" else mode}
     if how == "unet":
-        unet.compile(**options)
+        denoiser.compile(**options)
         return
-    for block in unet_blocks(unet).values():
+    for block in blocks.values():
         block.compile(**options)
 
 
-def set_weight_dtypes(models, mixed_precision: str, vae_dtype: str) -> None:
-    """``pure_bf16``: the UNet and text encoders hold bf16 weights; the VAE as ``vae_dtype``."""
+def set_weight_dtypes(backbone: Backbone, mixed_precision: str, vae_dtype: str) -> None:
+    """``pure_bf16``: the trainable parts hold bf16 weights; the frozen networks (the VAE) as
+    ``vae_dtype``."""
     if mixed_precision == "pure_bf16":
-        for module in (models.unet, models.text_encoder, models.text_encoder_2):
+        for module in backbone.parts().values():
             module.to(torch.bfloat16)
-    models.vae.to(torch.bfloat16 if vae_dtype == "bf16" else torch.float32)
+    for module in backbone.frozen().values():
+        module.to(torch.bfloat16 if vae_dtype == "bf16" else torch.float32)
 
 
-def apply_memory_options(unet: nn.Module, memory: MemoryConfig) -> None:
-    """Set up the UNet as ``memory`` asks (call after it is on its device, before training)."""
-    set_gradient_checkpointing(unet, memory.gradient_checkpointing)
+def apply_memory_options(backbone: Backbone, memory: MemoryConfig) -> None:
+    """Set up the denoiser as ``memory`` asks (after it is on its device, before training)."""
+    denoiser, blocks = backbone.denoiser(), backbone.blocks()
+    set_gradient_checkpointing(denoiser, blocks, memory.gradient_checkpointing)
     if memory.channels_last:
-        unet.to(memory_format=torch.channels_last)
-    compile_unet(unet, memory.compile, memory.compile_mode, memory.compile_backend)
+        denoiser.to(memory_format=torch.channels_last)
+    compile_denoiser(denoiser, blocks, memory.compile, memory.compile_mode, memory.compile_backend)
 
 
 def attention_context(attention: str) -> ContextFactory:

@@ -31,8 +31,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from impasto.train.memory import unet_blocks
-
 
 @dataclass(eq=False)
 class _Block:
@@ -75,19 +73,14 @@ class _Call:
     out_slots: list[int | None] = field(default_factory=list)  # leaf → unique output index
 
 
-def execution_order(unet: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The UNet's blocks in the order they run: ``down.0`` .., ``mid``, ``up.0`` .."""
-    if not all(hasattr(unet, name) for name in ("down_blocks", "mid_block", "up_blocks")):
-        raise ValueError("offload: expected a UNet2DConditionModel (down_blocks, mid_block, ...)")
-    return list(unet_blocks(unet).items())  # named and ordered as memory.* config names them
-
-
 class BlockOffload:
     """Keep UNet blocks in CPU memory and stream them to ``device`` for forward and backward.
 
     Args:
-        unet: a diffusers ``UNet2DConditionModel``, on any device. Its parameters keep their
-            identity (an optimizer built before or after sees the same tensors).
+        unet: the denoiser (a diffusers ``UNet2DConditionModel`` for SDXL), on any device.
+            Its parameters keep their identity (an optimizer built before or after sees the
+            same tensors).
+        ordered: its blocks by name in execution order (``Backbone.blocks()``).
         device: where the UNet computes. Everything outside the offloaded blocks moves there.
             ``cpu`` is a stand-in for tests: the copies are then real copies.
         resident: how many of the candidate blocks stay on ``device`` (the largest ones,
@@ -100,13 +93,14 @@ class BlockOffload:
     def __init__(
         self,
         unet: nn.Module,
+        ordered: dict[str, nn.Module],
         device: torch.device | str,
         resident: int = 0,
         blocks: list[str] | None = None,
     ):
         self.unet = unet
         self.device = torch.device(device)
-        ordered = execution_order(unet)
+        ordered = list(ordered.items())
         names = [name for name, _ in ordered]
         candidates = names if blocks is None else list(blocks)
         unknown = [name for name in candidates if name not in names]

@@ -174,3 +174,38 @@ def set_lr(optimizer: torch.optim.Optimizer, multiplier: float) -> float:
         group.setdefault("initial_lr", group["lr"])
         group["lr"] = group["initial_lr"] * multiplier
     return optimizer.param_groups[0]["lr"]
+
+
+class LRSchedule:
+    """The learning rate of every step, a pure function of the step (``lr_multiplier``) applied
+    to each param group's base LR. Its state is its settings, recorded in checkpoints; the
+    step itself is the train counters' (nanoGPT's ``get_lr(it)``, torchtitan's Stateful
+    scheduler)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimConfig, total: int):
+        self.optimizer = optimizer
+        self.settings = {
+            "schedule": config.lr_schedule,
+            "warmup_steps": config.warmup_steps,
+            "total_steps": total,
+            "min_lr_ratio": config.min_lr_ratio,
+        }
+
+    def apply(self, step: int) -> float:
+        """Set the LR of optimizer step ``step`` (0-based); returns param group 0's."""
+        settings = self.settings
+        multiplier = lr_multiplier(
+            step,
+            settings["schedule"],
+            settings["warmup_steps"],
+            settings["total_steps"],
+            settings["min_lr_ratio"],
+        )
+        return set_lr(self.optimizer, multiplier)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.settings)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: a resumed run follows its config's schedule (a changed one is
+        reported with the config's differences)."""

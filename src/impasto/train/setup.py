@@ -8,108 +8,128 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch import Tensor
 
 from impasto.config import Config
-from impasto.models import SDXLComponents, load_model
-from impasto.objectives.objective import Objective
+from impasto.data import Batch
+from impasto.models.backbone import Backbone, build_backbone
+from impasto.models.parts import (
+    Part,
+    init_adapters_from_kohya,
+    param_groups,
+    prepare_parts,
+    set_train_mode,
+)
+from impasto.precision import autocast_factory
 from impasto.train.ema import EMA
 from impasto.train.fused import FusedBackwardOptimizer
-from impasto.train.memo import EncodingMemo
 from impasto.train.memory import (
     apply_memory_options,
     attention_context,
     combined,
     set_weight_dtypes,
 )
+from impasto.train.methods import Method, MethodContext, build_method
 from impasto.train.offload import BlockOffload
 from impasto.train.optim import OPTIMIZERS
-from impasto.train.parts import (
-    Part,
-    init_adapters_from_kohya,
-    param_groups,
-    prepare_parts,
-    set_train_mode,
-    trains_text_encoders,
-)
-from impasto.train.precision import autocast_factory
-from impasto.train.step import training_step
 
 
 @dataclass
 class StepSetup:
-    """The models, what trains in them, and how a step runs."""
+    """The backbone, what trains in it, the training method and how a step runs."""
 
-    models: SDXLComponents
+    backbone: Backbone
     trainable: dict[str, Part]
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer | FusedBackwardOptimizer
     fused: FusedBackwardOptimizer | None
-    objective: Objective
-    memo: EncodingMemo
+    method: Method
     ema: EMA | None
     autocast: object  # a context factory: autocast and the attention kernel
-    train_text: bool
     offload: BlockOffload | None = None
 
-    def micro_step(self, batch, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-        """Forward and backward one micro-batch (loss × ``scale``); returns the detached loss."""
-        out = training_step(
-            self.models, self.objective, batch, generator, self.autocast, self.memo,
-            train_text=self.train_text,
-        )  # fmt: skip
+    def micro_step(self, batch: Batch, generator: torch.Generator, scale: float = 1.0):
+        """Forward and backward one micro-batch (loss × ``scale``); returns the method's
+        :class:`~impasto.train.methods.StepOutput` with the loss detached."""
+        out = self.method.step(batch, generator)
         (out.loss * scale).backward()
-        return out.loss.detach()
+        return type(out)(out.loss.detach(), out.metrics)
 
-    def update(self, max_grad_norm: float | None) -> tuple[float, bool]:
-        """Clip and step (unless a gradient is non-finite); returns (grad norm, finite).
+    def update(self, max_grad_norm: float | None) -> tuple[Tensor, Tensor]:
+        """Clip and step; returns (grad norm, finite) as 0-dim device tensors, read by nobody
+        until a logging step: no host sync here.
 
-        With fused backward the parameters already stepped inside backward; this only reads the
-        norm and whether every gradient was finite (see :mod:`impasto.train.fused`)."""
+        A non-finite gradient never reaches the weights: optimizers that can skip on the
+        device (torch's fused Adam/AdamW, ``found_inf`` as under a GradScaler) skip the step;
+        the others step on zeroed gradients, as fused backward does per parameter (see
+        :mod:`impasto.train.fused`, where the parameters stepped inside backward already)."""
         if self.fused is not None:
             grad_norm, nonfinite = self.fused.finish_step()
             return grad_norm, nonfinite == 0
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm or math.inf).item()
-        finite = math.isfinite(norm)
-        if finite:
-            self.optimizer.step()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm or math.inf)
+        finite = torch.isfinite(norm)
+        step_if_finite(self.optimizer, self.params, finite)
         self.optimizer.zero_grad(set_to_none=True)
         return norm, finite
+
+
+def step_if_finite(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], finite: Tensor
+) -> None:
+    """``optimizer.step()`` that leaves the weights alone when ``finite`` is false, decided on
+    the device."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: skips in the kernel
+        optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        return
+    # Both passes leave finite gradients bit for bit as they are (the norm is finite only when
+    # every gradient is); otherwise every gradient becomes 0.
+    grads = [param.grad for param in params if param.grad is not None]
+    for grad in grads:
+        grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    if grads:
+        torch._foreach_mul_(grads, finite.to(grads[0].dtype))
+    optimizer.step()
 
 
 def build_step_setup(
     config: Config, device: torch.device, precision: torch.dtype | None
 ) -> StepSetup:
-    """Load the model, make the configured parts trainable, apply the memory options, and build
-    the optimizer, objective and EMA. Seeds the global RNG (adapters initialise from it)."""
+    """Build the backbone, make the configured parts trainable, apply the memory options, and
+    build the optimizer, method and EMA. Seeds the global RNG (adapters initialise from it)."""
     torch.manual_seed(config.train.seed)
-    models = load_model(config)
-    trainable = prepare_parts(config, models)
+    backbone = build_backbone(config)
+    trainable = prepare_parts(config, backbone)
     if config.lora.init_from:
         count = init_adapters_from_kohya(trainable, config.lora)
         print(f"impasto: started {count} LoRA layers from {config.lora.init_from}")
-    set_train_mode(trainable, models)
-    set_weight_dtypes(models, config.train.mixed_precision, config.memory.vae_dtype)
-    models.to(device)
-    apply_memory_options(models.unet, config.memory)
+    set_train_mode(trainable, backbone)
+    set_weight_dtypes(backbone, config.train.mixed_precision, config.memory.vae_dtype)
+    backbone.to(device)
+    apply_memory_options(backbone, config.memory)
     offload = None
     if config.memory.offload_blocks:  # after dtypes and layout, before the optimizer
-        offload = BlockOffload(models.unet, device, resident=config.memory.resident_blocks)
+        offload = BlockOffload(
+            backbone.denoiser(), backbone.blocks(), device, resident=config.memory.resident_blocks
+        )
     groups = param_groups(trainable)
     build = partial(OPTIMIZERS[config.optim.name], config=config.optim)
     fused = FusedBackwardOptimizer(groups, build) if config.memory.fused_backward else None
+    autocast = combined(
+        autocast_factory(device, precision), attention_context(config.memory.attention)
+    )
     return StepSetup(
-        models=models,
+        backbone=backbone,
         trainable=trainable,
         params=[param for group in groups for param in group["params"]],
         optimizer=fused or build(groups),
         fused=fused,
-        objective=Objective.from_config(config.objective),
-        memo=EncodingMemo.from_config(config),
+        method=build_method(MethodContext(config, backbone, tuple(trainable), autocast)),
         ema=build_ema(config, trainable),
-        autocast=combined(
-            autocast_factory(device, precision), attention_context(config.memory.attention)
-        ),
-        train_text=trains_text_encoders(config),
+        autocast=autocast,
         offload=offload,
     )
 

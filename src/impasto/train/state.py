@@ -1,41 +1,50 @@
-"""Train state, run directory and the mapping between a live run and its checkpoint files."""
+"""Train counters, the run directory, and the run's state as one dict of Stateful objects."""
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
-from impasto import __version__
-from impasto.checkpoint import CheckpointData, latest_checkpoint, load_checkpoint, save_checkpoint
+from impasto.checkpoint import latest_checkpoint
+from impasto.checkpoint.stateful import Stateful, StatefulValue, load_states, save_states
 from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_diff, config_hash, config_to_dict, config_to_yaml
 from impasto.logging import METRICS_FILE
+from impasto.models.parts import Part
 from impasto.train.ema import EMA
-from impasto.train.parts import Part, load_part_weights
 from impasto.train.rng import capture_rng_state, restore_rng_state
+from impasto.version import __version__
 
 CHECKPOINTS = "checkpoints"
-EMA_FILE = "ema"  # ema.safetensors (the shadow weights) and ema.pt (options, update count)
 
 
 @dataclass
 class TrainState:
-    """Counters that, with the weights, optimizer and RNG, define where a run is."""
+    """Counters that, with the weights, optimizer, data position and RNG, define where a run
+    is (the data position is the data stream's own state)."""
 
     step: int = 0  # optimizer steps done
-    epoch: int = 0  # epoch of the next micro-batch
-    batch_in_epoch: int = 0  # index of the next micro-batch within its epoch
     samples_seen: int = 0
     images_attempted: int = 0
     images_bad: int = 0
     nonfinite_in_row: int = 0
     steps_skipped: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for name, value in state.items():
+            setattr(self, name, int(value))
 
 
 def prepare_run_dir(config: Config, resume: bool) -> Path:
@@ -61,58 +70,99 @@ def _config_text(config: Config) -> str:
     return f"# config_hash: {config_hash(config)}\n{config_to_yaml(config)}"
 
 
-def save_train_checkpoint(
-    run_dir: Path,
-    config: Config,
-    state: TrainState,
-    modules: dict[str, Part],
-    optimizer: torch.optim.Optimizer,
-    ema: EMA | None = None,
-) -> Path:
-    """Write a complete checkpoint of the run (``ema.safetensors`` too when EMA is on)."""
-    data = CheckpointData(
-        tensors={name: module.state_dict() for name, module in modules.items()},
-        objects={"optimizer": optimizer.state_dict(), "rng": capture_rng_state()},
-        state={
-            "train": dataclasses.asdict(state),
-            "config_hash": config_hash(config),
-            "impasto_version": __version__,
-            "lr": [group["lr"] for group in optimizer.param_groups],
-        },
-        texts={"config.yaml": _config_text(config)},
-        metadata={"unet": model_metadata(config)},
-    )
-    if ema is not None:
-        ema_state = ema.state_dict()
-        data.tensors[EMA_FILE] = ema_state.pop("shadows")
-        data.objects[EMA_FILE] = ema_state
-    return save_checkpoint(run_dir / CHECKPOINTS, state.step, data, config.checkpoint.keep_last)
+class RNGStreams:
+    """Python's, NumPy's and torch's global generators (CPU and CUDA) as one Stateful; they
+    are seeded with ``train.seed`` when a run starts."""
+
+    def __init__(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_rng_state(state)
 
 
-def restore_train_checkpoint(
-    run_dir: Path,
-    config: Config,
-    modules: dict[str, Part],
-    optimizer: torch.optim.Optimizer,
-    ema: EMA | None = None,
-) -> tuple[TrainState, Path] | None:
-    """Load the newest complete checkpoint of ``run_dir`` into the live objects, if any."""
-    path = latest_checkpoint(run_dir / CHECKPOINTS)
-    if path is None:
-        return None
-    data = load_checkpoint(path)
-    load_part_weights(modules, data.tensors, f"checkpoint {path}")
-    optimizer.load_state_dict(data.objects["optimizer"])
-    if ema is not None:
-        if EMA_FILE not in data.tensors:
+def ema_states(ema: EMA) -> dict[str, StatefulValue]:
+    """The EMA as two entries: its fp32 shadows (``ema.safetensors``, which ``impasto export
+    --ema`` reads) and its update count."""
+
+    def load_shadows(shadows: dict[str, torch.Tensor]) -> None:
+        ema.load_state_dict({"shadows": shadows, "num_updates": ema.num_updates})
+
+    def load_rest(state: dict[str, Any]) -> None:
+        ema.num_updates = int(state["num_updates"])
+
+    def rest() -> dict[str, Any]:
+        state = ema.state_dict()
+        return {"options": state["options"], "num_updates": state["num_updates"]}
+
+    return {
+        "ema": StatefulValue(lambda: ema.state_dict()["shadows"], load_shadows),
+        "ema_state": StatefulValue(rest, load_rest),
+    }
+
+
+def run_info(config: Config, optimizer: torch.optim.Optimizer) -> StatefulValue:
+    """What the checkpoint records about the run (config hash, version, LRs); a record only:
+    restoring it changes nothing (``report_config_changes`` compares the configs)."""
+
+    def record() -> dict[str, Any]:
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        return {"config_hash": config_hash(config), "impasto_version": __version__, "lr": lrs}
+
+    return StatefulValue(record, lambda saved: None)
+
+
+def part_state(part: Part) -> StatefulValue:
+    """A trained part's weights (the whole module, or its adapter); a one-line error when the
+    checkpoint's do not fit."""
+
+    def load(state: dict[str, torch.Tensor]) -> None:
+        result = part.load_state_dict(state, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            bad = (result.missing_keys or result.unexpected_keys)[0]
             raise ValueError(
-                f"checkpoint {path}: no EMA weights (ema.enabled was off); set it off to resume, "
-                "or start over with --no-resume"
+                f"{part.name} weights do not match the model ({bad!r}); was model.*, parts.* "
+                "or lora.* changed? restore it or use --no-resume"
             )
-        ema.load_state_dict({"shadows": data.tensors[EMA_FILE], **data.objects[EMA_FILE]})
-    restore_rng_state(data.objects["rng"])
-    saved = yaml.safe_load(data.texts.get("config.yaml", "")) or {}
+
+    return StatefulValue(part.state_dict, load)
+
+
+def report_config_changes(path: Path, config: Config) -> None:
+    """Print how ``config`` differs from the one a checkpoint was written with."""
+    saved_text = (path / "config.yaml").read_text(encoding="utf-8") if path.exists() else ""
+    saved = yaml.safe_load(saved_text) or {}
     changes = config_diff(saved, config_to_dict(config))
     if changes:
         print(f"impasto: resuming with a changed config: {'; '.join(changes)}")
-    return TrainState(**data.state["train"]), path
+
+
+def save_run(
+    run_dir: Path, config: Config, step: int, states: dict[str, Stateful], header: dict[str, str]
+) -> Path:
+    """Checkpoint ``states`` as step ``step``. Every weights file's header says what model it
+    belongs to: ``header`` (the backbone's) and how the run trained it (the objective)."""
+    metadata = header | model_metadata(config)
+    return save_states(
+        run_dir / CHECKPOINTS,
+        step,
+        states,
+        config.checkpoint.keep_last,
+        texts={"config.yaml": _config_text(config)},
+        metadata={name: metadata for name in states},
+    )
+
+
+def restore_run(run_dir: Path, config: Config, states: dict[str, Stateful]) -> Path | None:
+    """Load the newest complete checkpoint of ``run_dir`` into ``states``; its path or None."""
+    path = latest_checkpoint(run_dir / CHECKPOINTS)
+    if path is None:
+        return None
+    report_config_changes(path, config)
+    load_states(path, states)
+    return path

@@ -11,17 +11,17 @@ from torch import Tensor
 
 from impasto.config import Config
 from impasto.inference import model_sampling_options
-from impasto.models import SDXLComponents
+from impasto.models.backbone import Backbone
 from impasto.sampling import generate, make_grid
 
 
-def sample_grid(config: Config, models: SDXLComponents) -> Tensor:
+def sample_grid(config: Config, backbone: Backbone) -> Tensor:
     """``images_per_prompt`` samples of every validation prompt, ``[N, 3, H, W]`` in [0, 1]."""
     sample = config.sample
     resolution = sample.resolution or config.data.resolution
     prompts = [prompt for prompt in sample.prompts for _ in range(sample.images_per_prompt)]
     return generate(
-        models,
+        backbone,
         prompts,
         negative_prompt=sample.negative_prompt,
         num_steps=sample.num_steps,
@@ -40,10 +40,10 @@ def grid_columns(num_prompts: int, images_per_prompt: int) -> int:
 
 
 def write_validation_grid(
-    config: Config, models: SDXLComponents, run_dir: Path, step: int
+    config: Config, backbone: Backbone, run_dir: Path, step: int
 ) -> tuple[Path, Tensor]:
     """Render the grid and save it as ``RUN/samples/step-XXXXXXXX.png``; returns (path, CHW)."""
-    images = sample_grid(config, models)
+    images = sample_grid(config, backbone)
     columns = grid_columns(len(config.sample.prompts), config.sample.images_per_prompt)
     grid = make_grid(images, nrow=columns)
     path = run_dir / "samples" / f"step-{step:08d}.png"

@@ -21,8 +21,8 @@ from diffusers import AutoencoderKL
 from torch import Tensor
 
 from impasto.data import derive_seed, scan_image_folder
+from impasto.models.vae_files import save_vae_file
 from impasto.vae.architecture import TINY_VAE_DOWNSAMPLING, build_tiny_vae
-from impasto.vae.io import save_vae_file
 from impasto.vae.metrics import latent_std, load_images, mean_psnr
 from impasto.vae.objective import get_pixel_loss, vae_loss
 from impasto.vae.settings import VaeTrainSettings

@@ -35,10 +35,11 @@ from impasto.data.cache import (
     text_key,
     tokenizer_fingerprint,
 )
+from impasto.data.captions import caption_tools_from
 from impasto.data.folder import ImageRecord
 from impasto.data.transforms import IMAGE_LOAD_ERRORS
 from impasto.distributed import barrier, gather_to_all
-from impasto.models import SDXLComponents, encode_prompts
+from impasto.models.backbone import Backbone
 
 Bucket = tuple[int, int]
 
@@ -84,25 +85,20 @@ def cache_dir(config: Config) -> Path:
     return Path(cache_home) / "impasto" / "encodings"
 
 
-def vae_fingerprint(models: SDXLComponents) -> str:
-    vae = models.vae
-    return fingerprint(vae, str(vae.dtype))
-
-
-def text_fingerprint(models: SDXLComponents, precision: str) -> str:
-    return fingerprint(
-        models.text_encoder,
-        models.text_encoder_2,
-        tokenizer_fingerprint(models.tokenizer),
-        tokenizer_fingerprint(models.tokenizer_2),
-        precision,
-    )
+def encoder_fingerprint(backbone: Backbone, kind: str, *extra: object) -> str:
+    """What cached ``kind`` (latents | text) encodings depend on (``Backbone.cache_identity``:
+    weights, dtypes, tokenizers), hashed with ``extra``."""
+    identity = [
+        tokenizer_fingerprint(part) if hasattr(part, "get_vocab") else part
+        for part in backbone.cache_identity(kind)
+    ]
+    return fingerprint(*identity, *extra)
 
 
 def training_captions(config: Config, records: Sequence[ImageRecord]) -> list[str]:
     """Every caption text training can use: each record's (or its variants, when the caption
     tools are random), and "" when captions are dropped."""
-    data, tools = config.data, config.data.caption_tools()
+    data, tools = config.data, caption_tools_from(config.data)
     captions, unused = [], torch.Generator()
     for index, record in enumerate(records):
         if tools.random:
@@ -156,7 +152,7 @@ class CacheFill:
     """One rank's part of filling the cache for a run's config, models and records."""
 
     config: Config
-    models: SDXLComponents
+    backbone: Backbone
     records: Sequence[ImageRecord]
     store: ShardStore
     rank: int
@@ -190,7 +186,7 @@ class CacheFill:
         report.latents_found += len(needed) - len(missing)
         mine = split_for_rank(missing, self.rank, self.world)
         mine.sort(key=lambda key: needed[key][1].target_size)  # batches of one size
-        writer, vae, dtype = self.writer("latents"), self.models.vae, DTYPES[cache.dtype]
+        writer, dtype = self.writer("latents"), DTYPES[cache.dtype]
         progress = tqdm(total=len(mine), desc="cache latents", unit="img", disable=self.quiet(mine))
         for _, same_size in groupby(mine, key=lambda key: needed[key][1].target_size):
             same_size = list(same_size)
@@ -208,10 +204,9 @@ class CacheFill:
                         report.unreadable.append(str(self.records[index].image_path))
                 if keys:
                     with torch.no_grad():
-                        batch = torch.stack(pixels).to(vae.device, vae.dtype)
-                        posterior = vae.encode(batch).latent_dist
+                        means, stds = self.backbone.latent_posterior(torch.stack(pixels))
                     for row, key in enumerate(keys):
-                        mean, std = posterior.mean[row].to(dtype), posterior.std[row].to(dtype)
+                        mean, std = means[row].to(dtype), stds[row].to(dtype)
                         writer.add({f"{key}.mean": mean, f"{key}.std": std})
                     report.latents_encoded += len(keys)
                 progress.update(len(chunk))
@@ -232,7 +227,7 @@ class CacheFill:
         for start in range(0, len(mine), cache.batch_size):
             chunk = mine[start : start + cache.batch_size]
             with torch.no_grad(), autocast():
-                encoded = encode_prompts(self.models, [keys[key] for key in chunk])
+                encoded = self.backbone.encode_text([keys[key] for key in chunk])
             for row, key in enumerate(chunk):
                 embeds = encoded.prompt_embeds[row].to(dtype)
                 pooled = encoded.pooled_prompt_embeds[row].to(dtype)
@@ -245,7 +240,7 @@ class CacheFill:
 
 def fill_cache(
     config: Config,
-    models: SDXLComponents,
+    backbone: Backbone,
     records: Sequence[ImageRecord],
     ids: Sequence[ImageId | None],
     bucket_of: Sequence[Bucket | None] | None,
@@ -266,20 +261,20 @@ def fill_cache(
     # Every rank splits the missing entries by the same list, so all must scan the shards
     # before any rank writes new ones.
     barrier()
-    fill = CacheFill(config, models, records, store, rank, world, report)
+    fill = CacheFill(config, backbone, records, store, rank, world, report)
     latents_fp = text_fp = None
     if config.cache.latents == "disk":
-        latents_fp = vae_fingerprint(models)
+        latents_fp = encoder_fingerprint(backbone, "latents")
         fill.latents(ids, bucket_of, latents_fp)
     if config.cache.text_embeddings == "disk":
-        text_fp = text_fingerprint(models, precision)
+        text_fp = encoder_fingerprint(backbone, "text", precision)
         fill.text(training_captions(config, records), text_fp, autocast)
     barrier()
     store.refresh()
     report.damaged_shards = [path.name for path in store.corrupt]
     report.unreadable = sorted(set(report.unreadable))
     report.seconds = time.perf_counter() - started
-    vae = models.vae
+    channels, downsample = backbone.latent_format()
     encodings = CachedEncodings(
         store=store,
         image_ids=list(ids),
@@ -287,7 +282,7 @@ def fill_cache(
         text_fingerprint=text_fp,
         dtype=config.cache.dtype,
         caption_variants=config.cache.caption_variants,
-        latent_channels=vae.config.latent_channels,
-        downsample=2 ** (len(vae.config.block_out_channels) - 1),
+        latent_channels=channels,
+        downsample=downsample,
     )
     return encodings, report

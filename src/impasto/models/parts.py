@@ -1,13 +1,14 @@
-"""Which SDXL components train, and how: full weights, a peft adapter (LoRA family), or frozen.
+"""Which parts of a backbone train, and how: full weights, a peft adapter (LoRA family), or
+frozen.
 
-Config section ``parts`` names a mode per component; ``lora`` holds the adapter settings. The
-same functions serve the trainer (what to optimise and checkpoint) and ``load_trained`` (rebuild
-a checkpoint's model for sampling and export), so a run and its reload agree by construction.
+Config section ``parts`` names a mode per part (``Backbone.parts()``); ``lora`` holds the
+adapter settings. The same functions serve the trainer (what to optimise and checkpoint) and
+``load_trained`` (rebuild a checkpoint's model for sampling and export), so a run and its reload
+agree by construction.
 
-SDXL reads encoder 1's *penultimate* hidden states and never its pooled output, so the last
-layer and the final layer norm of encoder 1 get no gradient. They are kept frozen (full
-fine-tuning) or get no adapter (LoRA): every trainable parameter then receives a gradient,
-which DDP requires (no ``find_unused_parameters``).
+Parameters a family never reads (``Backbone.unused_parameters``: SDXL's encoder 1 last layer
+and final norm) are kept frozen (full fine-tuning) or get no adapter (LoRA): every trainable
+parameter then receives a gradient, which DDP requires (no ``find_unused_parameters``).
 """
 
 from __future__ import annotations
@@ -21,48 +22,9 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from impasto.config.schema import Config, LoraConfig
-    from impasto.models import SDXLComponents
+    from impasto.models.backbone import Backbone
 
-PARTS = ("unet", "text_encoder", "text_encoder_2")
 ADAPTER_NAME = "default"
-
-# target preset → module-name suffixes (diffusers UNet; transformers CLIP).
-UNET_TARGETS: dict[str, tuple[str, ...]] = {
-    "attention": ("to_q", "to_k", "to_v", "to_out.0"),
-    "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
-    "attention_ff_conv": (
-        *("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out"),
-        *("conv1", "conv2", "conv_shortcut", "time_emb_proj"),
-    ),
-}
-TEXT_TARGETS: dict[str, tuple[str, ...]] = {
-    "attention": ("q_proj", "k_proj", "v_proj", "out_proj"),
-    "attention_ff": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
-    "attention_ff_conv": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
-}
-
-
-def unused_by_sdxl(part: str, module: nn.Module) -> tuple[str, ...]:
-    """Name prefixes of ``part``'s submodules that SDXL's conditioning never reads."""
-    if part != "text_encoder":
-        return ()
-    text_model = getattr(module, "text_model", module)  # transformers 5 flattens CLIPTextModel
-    prefix = "text_model." if text_model is not module else ""
-    last = len(text_model.encoder.layers) - 1
-    return (f"{prefix}encoder.layers.{last}.", f"{prefix}final_layer_norm.")
-
-
-def adapter_targets(part: str, module: nn.Module, preset: str) -> list[str]:
-    """Full names of the modules of ``part`` that get an adapter under ``preset``."""
-    suffixes = UNET_TARGETS[preset] if part == "unet" else TEXT_TARGETS[preset]
-    skip = unused_by_sdxl(part, module)
-    return [
-        name
-        for name, child in module.named_modules()
-        if isinstance(child, nn.Linear | nn.Conv2d)
-        and any(name == s or name.endswith("." + s) for s in suffixes)
-        and not name.startswith(skip or ("\0",))
-    ]
 
 
 def peft_config(lora: LoraConfig, targets: list[str]) -> peft.PeftConfig:
@@ -126,29 +88,27 @@ def _mode(config: Config, part: str) -> str:
     return config.lora.kind if mode == "lora" else mode
 
 
-def prepare_parts(config: Config, models: SDXLComponents) -> dict[str, Part]:
+def prepare_parts(config: Config, backbone: Backbone) -> dict[str, Part]:
     """Freeze everything, then make each configured part trainable (injecting adapters).
 
     Adapters are initialised from the global RNG: seed it first for a reproducible run.
-    Returns the trained parts by name, in ``PARTS`` order; frozen parts are not listed.
+    Returns the trained parts by name, in the backbone's order; frozen parts are not listed.
     """
-    for name in PARTS:
-        getattr(models, name).requires_grad_(False)
-    models.vae.requires_grad_(False)
+    for module in backbone.modules().values():
+        module.requires_grad_(False)
     parts = {}
-    for name in PARTS:
+    for name, module in backbone.parts().items():
         mode = _mode(config, name)
         if mode == "frozen":
             continue
-        module = getattr(models, name)
         if mode == "full":
             module.requires_grad_(True)
-            skip = unused_by_sdxl(name, module)
+            skip = backbone.unused_parameters(name)
             for param_name, param in module.named_parameters():
                 if skip and param_name.startswith(skip):
                     param.requires_grad_(False)
         else:
-            targets = adapter_targets(name, module, config.lora.targets)
+            targets = backbone.adapter_targets(name, config.lora.targets)
             peft.inject_adapter_in_model(peft_config(config.lora, targets), module, ADAPTER_NAME)
             for param_name, param in module.named_parameters():
                 param.requires_grad_(f".{ADAPTER_NAME}" in param_name)  # lora_A.default.weight
@@ -169,10 +129,10 @@ def trains_text_encoders(config: Config) -> bool:
     return config.parts.text_encoder != "frozen" or config.parts.text_encoder_2 != "frozen"
 
 
-def set_train_mode(parts: dict[str, Part], models: SDXLComponents) -> None:
+def set_train_mode(parts: dict[str, Part], backbone: Backbone) -> None:
     """Trained parts in train mode (dropout), the rest in eval mode."""
-    for name in (*PARTS, "vae"):
-        getattr(models, name).train(name in parts)
+    for name, module in backbone.modules().items():
+        module.train(name in parts)
 
 
 def load_part_weights(

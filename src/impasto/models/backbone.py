@@ -1,0 +1,149 @@
+"""The backbone protocol: what the training loop, the methods, sampling and export need from a
+model family, and the registry that maps ``model.family`` to an implementation.
+
+A family (SDXL today, a DiT later) is one module implementing :class:`Backbone` over its own
+networks. Nothing outside that module names the family's component classes: the loop, the
+training methods, the samplers and the benchmark speak only this protocol (torchtitan keeps
+the same split between a model file and what trains it).
+
+Terms:
+- *parts*: the networks that may train (``parts.<name>: full | lora | frozen`` in the config);
+  *frozen*: networks that never train (an autoencoder);
+- *text encoding*: what ``encode_text`` returns for a list of captions; a frozen dataclass of
+  ``[B, ...]`` tensors, so caches can split and stack it per caption;
+- *conditioning*: everything the denoiser's forward takes besides x_t and t, on its device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from impasto.data import Batch
+
+
+@runtime_checkable
+class Backbone(Protocol):
+    """A model family as the trainer sees it (see the module docstring for the terms)."""
+
+    family: str
+
+    def parts(self) -> dict[str, nn.Module]:
+        """The networks that may train, by config name, in a fixed order."""
+
+    def frozen(self) -> dict[str, nn.Module]:
+        """The networks that never train (e.g. the VAE)."""
+
+    def modules(self) -> dict[str, nn.Module]:
+        """Every network: ``parts() | frozen()``."""
+
+    @property
+    def device(self) -> torch.device:
+        """The denoiser's device (where a step's tensors go)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The denoiser's weight dtype."""
+
+    def to(self, device: torch.device | str) -> Backbone:
+        """Move every network to ``device`` in place; return self."""
+
+    def blocks(self) -> dict[str, nn.Module]:
+        """The denoiser's blocks in execution order, by config name (``down.0``, ``mid`` ...):
+        the units of activation checkpointing, compile, offload and (later) FSDP."""
+
+    def denoiser(self) -> nn.Module:
+        """The network that predicts from x_t (the module blocks() belong to)."""
+
+    def unused_parameters(self, part: str) -> tuple[str, ...]:
+        """Name prefixes of ``part``'s parameters the family never reads (kept frozen, so
+        every trainable parameter gets a gradient, as DDP needs)."""
+
+    def adapter_targets(self, part: str, preset: str) -> list[str]:
+        """Full module names of ``part`` that get an adapter under ``lora.targets: preset``."""
+
+    def latent_posterior(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
+        """The autoencoder's posterior (mean, std) ``[B, C, h, w]`` of images in [-1, 1]."""
+
+    def encode_latents(self, sample: Tensor) -> Tensor:
+        """A posterior sample → the denoiser's latent space (scale and shift)."""
+
+    def decode_latents(self, latents: Tensor) -> Tensor:
+        """Latents → images ``[B, 3, H, W]`` in [0, 1], float32 on the CPU (the inverse map of
+        ``encode_latents``, then the decoder)."""
+
+    def latent_format(self) -> tuple[int, int]:
+        """(latent channels, the autoencoder's downsampling factor)."""
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """(C, h, w) of the latents of an H×W image; ValueError if the size does not fit."""
+
+    def encode_text(self, captions: list[str]) -> Any:
+        """The text encoding of ``captions`` (gradients flow unless disabled by the caller)."""
+
+    def text_from_cache(self, batch: Batch) -> Any | None:
+        """The batch's cached text encoding on the denoiser's device, or None."""
+
+    def condition(self, text: Any, batch: Batch) -> Any:
+        """The training conditioning of a batch from its text encoding."""
+
+    def sampling_condition(self, prompts: list[str], height: int, width: int) -> Any:
+        """The conditioning for generating ``prompts`` at H×W (with a ``cat`` for CFG)."""
+
+    def forward(self, x_t: Tensor, timesteps: Tensor, condition: Any) -> Tensor:
+        """The denoiser's prediction at (x_t, t)."""
+
+    def cache_identity(self, kind: str) -> tuple[object, ...]:
+        """What cached encodings of ``kind`` (``latents`` or ``text``) depend on: networks
+        (hashed by weights), tokenizers (by vocabulary) and plain values (by ``repr``)."""
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        """Strings for the checkpoint's weight headers that identify the family."""
+
+
+BackboneBuilder = Callable[[Any], Backbone]  # (Config) -> Backbone
+
+BACKBONES: dict[str, BackboneBuilder] = {}
+"""``model.family`` → a builder of that family's backbone from a Config (registered by the
+family's module; see ``register_backbone``)."""
+
+
+def register_backbone(family: str) -> Callable[[BackboneBuilder], BackboneBuilder]:
+    """Decorator: register ``builder`` as the backbone of ``family``."""
+
+    def register(builder: BackboneBuilder) -> BackboneBuilder:
+        if family in BACKBONES:
+            raise ValueError(f"model family {family!r} is registered twice")
+        BACKBONES[family] = builder
+        return builder
+
+    return register
+
+
+def build_backbone(config: Any) -> Backbone:
+    """The backbone ``config.model.family`` names, built from ``config.model``."""
+    family = getattr(config.model, "family", "sdxl")
+    if family not in BACKBONES:
+        raise ValueError(
+            f"model.family: unknown family {family!r}; valid: {', '.join(sorted(BACKBONES))}"
+        )
+    return BACKBONES[family](config)
+
+
+def split_rows(encoding: Any) -> list[Any]:
+    """A dataclass of ``[B, ...]`` tensors → B dataclasses of single rows (on the CPU)."""
+    columns = [getattr(encoding, field.name) for field in fields(encoding)]
+    size = columns[0].shape[0]
+    return [type(encoding)(*(column[row].cpu() for column in columns)) for row in range(size)]
+
+
+def stack_rows(rows: list[Any], device: torch.device) -> Any:
+    """The inverse of :func:`split_rows`: rows stacked into one dataclass on ``device``."""
+    names = [field.name for field in fields(rows[0])]
+    stacked = [torch.stack([getattr(row, name) for row in rows]).to(device) for name in names]
+    return type(rows[0])(*stacked)

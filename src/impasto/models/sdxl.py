@@ -1,0 +1,240 @@
+"""SDXL as a :class:`~impasto.models.backbone.Backbone`: the only module that knows how the
+SDXL networks are called (UNet conventions, both CLIP encoders, the VAE's scaling).
+
+Conditioning follows SDXL (Podell et al. 2023, arXiv:2307.01952, §2.1-2.2) exactly as diffusers'
+``StableDiffusionXLPipeline`` computes it, so a model trained here samples correctly with the
+stock pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from impasto.models.backbone import register_backbone
+from impasto.models.components import PromptEmbeds, SDXLComponents, add_time_ids, encode_prompts
+
+if TYPE_CHECKING:
+    from impasto.data import Batch
+
+PART_NAMES = ("unet", "text_encoder", "text_encoder_2")
+
+# lora.targets preset → module-name suffixes (diffusers UNet; transformers CLIP).
+UNET_TARGETS: dict[str, tuple[str, ...]] = {
+    "attention": ("to_q", "to_k", "to_v", "to_out.0"),
+    "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+    "attention_ff_conv": (
+        *("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out"),
+        *("conv1", "conv2", "conv_shortcut", "time_emb_proj"),
+    ),
+}
+TEXT_TARGETS: dict[str, tuple[str, ...]] = {
+    "attention": ("q_proj", "k_proj", "v_proj", "out_proj"),
+    "attention_ff": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    "attention_ff_conv": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+}
+
+
+@dataclass(frozen=True)
+class SDXLConditioning:
+    """SDXL UNet conditioning for B rows: text, pooled text and size micro-conditioning."""
+
+    prompt_embeds: Tensor  # [B, 77, D1 + D2]
+    pooled_prompt_embeds: Tensor  # [B, P]
+    time_ids: Tensor  # [B, 6]
+
+    def cat(self, other: SDXLConditioning) -> SDXLConditioning:
+        """``[self; other]`` along the batch axis (classifier-free guidance's double batch)."""
+        return SDXLConditioning(
+            torch.cat([self.prompt_embeds, other.prompt_embeds]),
+            torch.cat([self.pooled_prompt_embeds, other.pooled_prompt_embeds]),
+            torch.cat([self.time_ids, other.time_ids]),
+        )
+
+
+def unet_blocks(unet: nn.Module) -> dict[str, nn.Module]:
+    """A diffusers UNet's blocks in execution order: ``down.N``, ``mid``, ``up.N``."""
+    blocks = {f"down.{i}": block for i, block in enumerate(unet.down_blocks)}
+    if unet.mid_block is not None:
+        blocks["mid"] = unet.mid_block
+    blocks.update({f"up.{i}": block for i, block in enumerate(unet.up_blocks)})
+    return blocks
+
+
+def unused_text_layers(part: str, module: nn.Module) -> tuple[str, ...]:
+    """SDXL reads encoder 1's *penultimate* hidden states and never its pooled output, so the
+    last layer and the final norm of encoder 1 get no gradient."""
+    if part != "text_encoder":
+        return ()
+    text_model = getattr(module, "text_model", module)  # transformers 5 flattens CLIPTextModel
+    prefix = "text_model." if text_model is not module else ""
+    last = len(text_model.encoder.layers) - 1
+    return (f"{prefix}encoder.layers.{last}.", f"{prefix}final_layer_norm.")
+
+
+class SDXLBackbone:
+    """SDXL's UNet, VAE and two CLIP text encoders behind the backbone protocol."""
+
+    family = "sdxl"
+
+    def __init__(self, components: SDXLComponents) -> None:
+        self.components = components
+
+    # -- networks -------------------------------------------------------------------------
+    def parts(self) -> dict[str, nn.Module]:
+        return {name: getattr(self.components, name) for name in PART_NAMES}
+
+    def frozen(self) -> dict[str, nn.Module]:
+        return {"vae": self.components.vae}
+
+    def modules(self) -> dict[str, nn.Module]:
+        return self.parts() | self.frozen()
+
+    def denoiser(self) -> nn.Module:
+        return self.components.unet
+
+    @property
+    def device(self) -> torch.device:
+        return self.components.unet.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.components.unet.dtype
+
+    def to(self, device: torch.device | str) -> SDXLBackbone:
+        self.components.to(device)
+        return self
+
+    def blocks(self) -> dict[str, nn.Module]:
+        return unet_blocks(self.components.unet)
+
+    def unused_parameters(self, part: str) -> tuple[str, ...]:
+        return unused_text_layers(part, getattr(self.components, part))
+
+    def adapter_targets(self, part: str, preset: str) -> list[str]:
+        module = getattr(self.components, part)
+        suffixes = UNET_TARGETS[preset] if part == "unet" else TEXT_TARGETS[preset]
+        skip = self.unused_parameters(part)
+        return [
+            name
+            for name, child in module.named_modules()
+            if isinstance(child, nn.Linear | nn.Conv2d)
+            and any(name == s or name.endswith("." + s) for s in suffixes)
+            and not name.startswith(skip or ("\0",))
+        ]
+
+    # -- latents --------------------------------------------------------------------------
+    def latent_posterior(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
+        vae = self.components.vae
+        posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        return posterior.mean, posterior.std
+
+    def _latent_stats(self, like: Tensor) -> tuple[Tensor, Tensor] | None:
+        config = self.components.vae.config
+        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if mean is None or std is None:
+            return None
+        return (
+            torch.tensor(mean).view(1, -1, 1, 1).to(like),
+            torch.tensor(std).view(1, -1, 1, 1).to(like),
+        )
+
+    def encode_latents(self, sample: Tensor) -> Tensor:
+        """``(sample − mean) · scaling_factor / std`` where the VAE has latent statistics
+        (as diffusers), else ``sample · scaling_factor`` (SDXL)."""
+        scale = float(self.components.vae.config.scaling_factor)
+        stats = self._latent_stats(sample)
+        if stats is None:
+            return sample * scale
+        return (sample - stats[0]) * scale / stats[1]
+
+    def decode_latents(self, latents: Tensor) -> Tensor:
+        """One image at a time: decoding is the peak-memory step at SDXL resolutions."""
+        vae = self.components.vae
+        scale = float(vae.config.scaling_factor)
+        images = []
+        with torch.no_grad():
+            for latent in latents.to(device=vae.device, dtype=vae.dtype).split(1):
+                stats = self._latent_stats(latent)
+                if stats is None:
+                    latent = latent / scale
+                else:
+                    latent = latent * stats[1] / scale + stats[0]
+                image = vae.decode(latent).sample.float()
+                images.append((image / 2 + 0.5).clamp(0, 1).cpu())
+        return torch.cat(images)
+
+    def latent_format(self) -> tuple[int, int]:
+        config = self.components.vae.config
+        return int(config.latent_channels), 2 ** (len(config.block_out_channels) - 1)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        factor = self.latent_format()[1]
+        if height <= 0 or width <= 0 or height % factor or width % factor:
+            raise ValueError(
+                f"height and width must be positive multiples of {factor} (the VAE's "
+                f"downsampling factor), got {height}x{width}"
+            )
+        return int(self.components.unet.config.in_channels), height // factor, width // factor
+
+    # -- conditioning ---------------------------------------------------------------------
+    def encode_text(self, captions: list[str]) -> PromptEmbeds:
+        return encode_prompts(self.components, captions)
+
+    def text_from_cache(self, batch: Batch) -> PromptEmbeds | None:
+        if batch.prompt_embeds is None:
+            return None
+        device, dtype = self.device, self.dtype  # straight to the UNet, in its dtype
+        return PromptEmbeds(
+            batch.prompt_embeds.to(device, dtype), batch.pooled_prompt_embeds.to(device, dtype)
+        )
+
+    def condition(self, text: PromptEmbeds, batch: Batch) -> SDXLConditioning:
+        time_ids = add_time_ids(
+            batch.original_sizes, batch.crop_top_lefts, batch.target_sizes, dtype=torch.float32
+        )
+        return SDXLConditioning(text.prompt_embeds, text.pooled_prompt_embeds, time_ids)
+
+    def sampling_condition(self, prompts: list[str], height: int, width: int) -> SDXLConditioning:
+        """Time ids with original = target = (height, width) and crop (0, 0), as the pipeline;
+        on the UNet's device and in its dtype."""
+        embeds = encode_prompts(self.components, prompts)
+        sizes = torch.tensor([[height, width]] * len(prompts))
+        time_ids = add_time_ids(sizes, torch.zeros_like(sizes), sizes)
+        device, dtype = self.device, self.dtype
+        return SDXLConditioning(
+            prompt_embeds=embeds.prompt_embeds.to(device=device, dtype=dtype),
+            pooled_prompt_embeds=embeds.pooled_prompt_embeds.to(device=device, dtype=dtype),
+            time_ids=time_ids.to(device=device, dtype=dtype),
+        )
+
+    def forward(self, x_t: Tensor, timesteps: Tensor, condition: SDXLConditioning) -> Tensor:
+        return self.components.unet(
+            x_t,
+            timesteps,
+            encoder_hidden_states=condition.prompt_embeds,
+            added_cond_kwargs={
+                "text_embeds": condition.pooled_prompt_embeds,
+                "time_ids": condition.time_ids.to(x_t.device),
+            },
+        ).sample
+
+    def cache_identity(self, kind: str) -> tuple[object, ...]:
+        parts = self.components
+        if kind == "latents":
+            return parts.vae, str(parts.vae.dtype)
+        return parts.text_encoder, parts.text_encoder_2, parts.tokenizer, parts.tokenizer_2
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        return {"impasto.family": self.family}
+
+
+@register_backbone("sdxl")
+def build_sdxl_backbone(config: Any) -> SDXLBackbone:
+    """SDXL from ``config.model``: a preset, a diffusers folder or a single file."""
+    from impasto.models import load_model
+
+    return SDXLBackbone(load_model(config))

@@ -1,0 +1,134 @@
+"""Names in a config that select code, checked against the registries that hold the code.
+
+:mod:`impasto.config` validates structure only and imports no other impasto package, so a bad
+key fails fast, without torch (issue #13). The registries live beside their code (the optimizers
+in :mod:`impasto.train.optim`, the objectives in :mod:`impasto.objectives`, ...), so this module
+sits above both and imports each registry when it checks it. Every problem is reported at once,
+one line each; the lines keep the wording the schema's validators used before the split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from impasto.config.load import ConfigError
+from impasto.config.schema import FLOW
+
+if TYPE_CHECKING:
+    from impasto.config import Config
+    from impasto.config.schema import ModelConfig, ObjectiveConfig, OptimConfig, SampleConfig
+
+
+def check_config(config: Config) -> None:
+    """Raise :class:`ConfigError` listing every unknown name in ``config``, one per line."""
+    _raise_if_any(config_problems(config))
+
+
+def check_objective(objective: ObjectiveConfig) -> None:
+    """:func:`check_config` for a lone objective section (``impasto inspect``, tests)."""
+    _raise_if_any(objective_problems(objective))
+
+
+def config_problems(config: Config) -> list[str]:
+    return [
+        *model_problems(config.model),
+        *objective_problems(config.objective),
+        *optim_problems(config.optim),
+        *sample_problems(config.sample, config.objective),
+    ]
+
+
+def model_problems(model: ModelConfig) -> list[str]:
+    from impasto.models import BACKBONES
+    from impasto.models.presets import PRESETS
+
+    problems = []
+    if model.family not in BACKBONES:
+        valid = ", ".join(sorted(BACKBONES))
+        problems.append(f"model.family: unknown family {model.family!r}; valid: {valid}")
+    if model.preset is not None and model.preset not in PRESETS:
+        valid = ", ".join(sorted(PRESETS))
+        problems.append(f"model.preset: unknown preset {model.preset!r}; valid: {valid}")
+    return problems
+
+
+def objective_problems(objective: ObjectiveConfig) -> list[str]:
+    from impasto.objectives.timesteps import check_mode_scale
+    from impasto.train.methods import METHODS
+
+    problems = []
+    if objective.method not in METHODS:
+        valid = ", ".join(sorted(METHODS))
+        problems.append(f"objective.method: unknown method {objective.method!r}; valid: {valid}")
+    for field, registry in _objective_registries(objective).items():
+        name = getattr(objective, field)
+        if name not in registry:
+            # The samplers and weightings depend on the family, so name the prediction type.
+            family = field in ("timestep_sampling", "loss_weighting")
+            kind = f" for prediction_type {objective.prediction_type}" if family else ""
+            valid = ", ".join(sorted(registry))
+            problems.append(f"objective: {field}: unknown name {name!r}{kind}; valid: {valid}")
+    if objective.is_flow and objective.timestep_sampling == "mode":
+        try:
+            check_mode_scale(objective.mode_scale)
+        except ValueError as error:
+            problems.append(f"objective: {error}")
+    return problems
+
+
+def _objective_registries(objective: ObjectiveConfig) -> dict[str, Mapping[str, object]]:
+    """Each name field of ``objective`` → the registry (a dict) its value must be a key of."""
+    from impasto.objectives import (
+        FLOW_LOSS_WEIGHTINGS,
+        FLOW_TIME_SAMPLERS,
+        HUBER_C_SCHEDULES,
+        LOSS_WEIGHTINGS,
+        LOSSES,
+        PREDICTION_TARGETS,
+        SCHEDULES,
+        TIMESTEP_SAMPLERS,
+    )
+
+    flow = objective.is_flow
+    return {
+        "schedule": SCHEDULES,
+        "prediction_type": {**PREDICTION_TARGETS, FLOW: None},
+        "timestep_sampling": FLOW_TIME_SAMPLERS if flow else TIMESTEP_SAMPLERS,
+        "loss_weighting": {**LOSS_WEIGHTINGS, **FLOW_LOSS_WEIGHTINGS} if flow else LOSS_WEIGHTINGS,
+        "loss": LOSSES,
+        "huber_schedule": HUBER_C_SCHEDULES,
+    }
+
+
+def optim_problems(optim: OptimConfig) -> list[str]:
+    from impasto.train.optim import LR_SCHEDULES, OPTIMIZERS
+
+    problems = []
+    if optim.name not in OPTIMIZERS:
+        name, valid = optim.name, ", ".join(sorted(OPTIMIZERS))
+        problems.append(f"optim: name: unknown optimizer {name!r}; valid: {valid}")
+    if optim.lr_schedule not in LR_SCHEDULES:
+        name, valid = optim.lr_schedule, ", ".join(sorted(LR_SCHEDULES))
+        problems.append(f"optim: lr_schedule: unknown schedule {name!r}; valid: {valid}")
+    return problems
+
+
+def sample_problems(sample: SampleConfig, objective: ObjectiveConfig) -> list[str]:
+    from impasto.sampling.flow import FLOW_SAMPLERS
+    from impasto.sampling.samplers import SAMPLERS
+
+    if sample.sampler not in SAMPLERS:
+        valid = ", ".join(sorted(SAMPLERS))
+        return [f"sample: sampler: unknown name {sample.sampler!r}; valid: {valid}"]
+    if objective.is_flow and sample.sampler not in FLOW_SAMPLERS:
+        return [
+            f"sample.sampler: {sample.sampler!r} cannot sample a flow model; "
+            f"flow samplers: {', '.join(sorted(FLOW_SAMPLERS))}"
+        ]
+    return []
+
+
+def _raise_if_any(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError("\n".join(problems))

@@ -1,0 +1,99 @@
+"""The diffusion denoising objective as a training method (``objective.method: denoise``).
+
+Encode, noise, predict, loss: the objective math lives in :mod:`impasto.objectives` (pure
+functions picked by name), the model calls in the backbone; this module only wires them to a
+:class:`~impasto.data.Batch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from impasto.data import Batch
+from impasto.models.backbone import Backbone
+from impasto.objectives.objective import Objective
+from impasto.train.memo import EncodingMemo
+from impasto.train.methods import DataNeeds, MethodContext, StepOutput, register_method
+
+
+@dataclass(frozen=True)
+class DenoiseOutput:
+    loss: Tensor  # scalar, differentiable
+    per_sample_loss: Tensor  # [B], detached
+    timesteps: Tensor  # [B], the denoiser's time input (flow: t·T)
+
+
+def denoising_loss(
+    backbone: Backbone,
+    objective: Objective,
+    batch: Batch,
+    generator: torch.Generator,
+    autocast: Callable[[], AbstractContextManager],
+    memo: EncodingMemo | None = None,
+    train_text: bool = False,
+) -> DenoiseOutput:
+    """The loss of one micro-batch. Randomness (posterior sample, noise, t) comes from
+    ``generator``, which lives on the CPU so a run draws the same numbers on any device.
+    ``memo`` (``cache: memory``) reuses earlier encodings of the same images and captions;
+    ``train_text``: the prompts are encoded with gradients (a text encoder trains).
+    """
+    device = backbone.device
+    memo = memo or EncodingMemo(latents=False, text_embeddings=False)
+    with torch.no_grad():
+        mean, std = memo.posterior(backbone, batch)
+        noise_for_posterior = torch.randn(mean.shape, generator=generator)
+        sample = mean + std * noise_for_posterior.to(device, std.dtype)
+        latents = backbone.encode_latents(sample).float()
+    text = backbone.text_from_cache(batch)
+    if text is None:
+        with torch.set_grad_enabled(train_text):
+            text = memo.text(backbone, batch.captions, autocast)
+    condition = backbone.condition(text, batch)
+    noise = torch.randn(latents.shape, generator=generator).to(device)
+    height, width = batch.target_sizes[0].tolist()  # a CPU tensor: no device sync
+    times = objective.sample_times(latents.shape[0], generator, device, (height, width))
+    noise, noise_for_input = objective.shape_noise(noise, generator)
+    noisy_latents, target, model_times = objective.noised(latents, noise, noise_for_input, times)
+    with autocast():
+        prediction = backbone.forward(noisy_latents, model_times, condition)
+    mask = None
+    if batch.loss_masks is not None:  # pixel masks → latent resolution (mean over each cell)
+        mask = F.interpolate(
+            batch.loss_masks.to(device).float(), size=latents.shape[-2:], mode="area"
+        )
+    per_sample = objective.per_sample_loss(prediction, target, times, mask=mask)
+    if batch.loss_weights is not None:
+        per_sample = per_sample * batch.loss_weights.to(per_sample)
+    return DenoiseOutput(per_sample.mean(), per_sample.detach(), model_times)
+
+
+class DenoiseMethod:
+    """Train the denoiser (and any trained text encoder) on the configured objective."""
+
+    needs = DataNeeds.IMAGES_AND_CAPTIONS
+
+    def __init__(self, context: MethodContext) -> None:
+        self.backbone = context.backbone
+        self.objective = Objective.from_config(context.config.objective)
+        self.memo = EncodingMemo.from_config(context.config)
+        self.autocast = context.autocast
+        # Encode captions with gradients when a part other than the denoiser (a text encoder)
+        # trains.
+        parts, denoiser = context.backbone.parts(), context.backbone.denoiser()
+        self.train_text = any(parts[name] is not denoiser for name in context.trained_parts)
+
+    def step(self, batch: Batch, generator: torch.Generator) -> StepOutput:
+        out = denoising_loss(
+            self.backbone, self.objective, batch, generator, self.autocast, self.memo,
+            train_text=self.train_text,
+        )  # fmt: skip
+        return StepOutput(out.loss)
+
+
+register_method("denoise")(DenoiseMethod)
