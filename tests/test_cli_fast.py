@@ -109,9 +109,9 @@ def test_every_unknown_name_is_reported_by_check_config_and_the_cli(tmp_path, ca
     config = build_config(raw)  # the structure is right: names are not checked here
     assert config.optim.name == "sgdx"
     expected = [
-        "optim: name: unknown optimizer 'sgdx'; valid: adafactor, adamw, adamw_8bit, "
+        "optim.name: unknown optimizer 'sgdx'; valid: adafactor, adamw, adamw_8bit, "
         "adamw_bf16_sr, prodigy",
-        "sample: sampler: unknown name 'heun'; valid: ddim, dpmpp_2m, dpmpp_2m_karras, euler, "
+        "sample.sampler: unknown name 'heun'; valid: ddim, dpmpp_2m, dpmpp_2m_karras, euler, "
         "euler_ancestral",
     ]
     with pytest.raises(ConfigError) as caught:
@@ -138,6 +138,6 @@ def test_the_python_api_train_rejects_unknown_names(tmp_path):
     from impasto.train import train
 
     config = build_config(_raw(objective={"loss": "l3"}, train={"output_dir": str(tmp_path)}))
-    with pytest.raises(ConfigError, match=r"^objective: loss: unknown name 'l3'; valid: huber"):
+    with pytest.raises(ConfigError, match=r"^objective.loss: unknown name 'l3'; valid: huber"):
         train(config)
     assert not any(tmp_path.iterdir())  # refused before the run directory was touched

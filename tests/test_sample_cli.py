@@ -85,5 +85,5 @@ def test_sample_config_requires_prompts(tiny_raw):
     with pytest.raises(ValueError, match="sample: every_steps is set but prompts is empty"):
         build_config(tiny_raw)
     tiny_raw["sample"] = {"sampler": "heun"}
-    with pytest.raises(ValueError, match="sample: sampler: unknown name 'heun'"):
+    with pytest.raises(ValueError, match="sample.sampler: unknown name 'heun'"):
         impasto.build_config(tiny_raw)

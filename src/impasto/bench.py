@@ -36,6 +36,7 @@ from impasto.data import Batch
 from impasto.models import add_time_ids
 from impasto.models.backbone import build_backbone
 from impasto.precision import autocast_factory, resolve_device, resolve_precision
+from impasto.train.checks import check_config
 from impasto.train.optim import set_lr
 from impasto.train.setup import build_step_setup
 
@@ -259,6 +260,7 @@ def run_bench(
         raise ValueError(f"bench: unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
     resolution = resolution or DEFAULT_RESOLUTION.get(model, 1024)
     base = bench_config(model, resolution, batch, precision, device, overrides)
+    check_config(base)  # the user's --model and --set names; the variants' are impasto's own
     target = resolve_device(base.train.device)
     configs = {"diffusers": base} | {
         name: bench_config(model, resolution, batch, precision, device, overrides, VARIANTS[name])

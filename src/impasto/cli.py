@@ -69,7 +69,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from impasto.bench import format_report, run_bench
 
-    _check_bench_names(args)
     _quiet_progress_bars()
     report = run_bench(
         model=args.model,
@@ -85,17 +84,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     print(json.dumps(report) if args.json else format_report(report))
     return 0
-
-
-def _check_bench_names(args: argparse.Namespace) -> None:
-    """The registry names of the user's part of the bench config (``--model``, ``--set``);
-    ``bench_config`` checks structure only. The variants' own names are impasto's."""
-    from impasto.bench import DEFAULT_RESOLUTION, bench_config
-    from impasto.train.checks import check_config
-
-    resolution = args.resolution or DEFAULT_RESOLUTION.get(args.model, 1024)
-    options = (args.model, resolution, args.batch, args.precision, args.device, args.set or [])
-    check_config(bench_config(*options))
 
 
 def cmd_sample(args: argparse.Namespace) -> int:

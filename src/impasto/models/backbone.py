@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from impasto.registry import lookup, registrar
+
 if TYPE_CHECKING:
     from impasto.data import Batch
 
@@ -113,26 +115,13 @@ BACKBONES: dict[str, BackboneBuilder] = {}
 family's module; see ``register_backbone``)."""
 
 
-def register_backbone(family: str) -> Callable[[BackboneBuilder], BackboneBuilder]:
-    """Decorator: register ``builder`` as the backbone of ``family``."""
-
-    def register(builder: BackboneBuilder) -> BackboneBuilder:
-        if family in BACKBONES:
-            raise ValueError(f"model family {family!r} is registered twice")
-        BACKBONES[family] = builder
-        return builder
-
-    return register
+register_backbone = registrar(BACKBONES, "model family")
+"""Decorator: ``@register_backbone("family")`` on a builder ``(config) -> Backbone``."""
 
 
 def build_backbone(config: Any) -> Backbone:
     """The backbone ``config.model.family`` names, built from ``config.model``."""
-    family = getattr(config.model, "family", "sdxl")
-    if family not in BACKBONES:
-        raise ValueError(
-            f"model.family: unknown family {family!r}; valid: {', '.join(sorted(BACKBONES))}"
-        )
-    return BACKBONES[family](config)
+    return lookup(BACKBONES, config.model.family, "model.family", "family")(config)
 
 
 def split_rows(encoding: Any) -> list[Any]:

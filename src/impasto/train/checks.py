@@ -68,12 +68,12 @@ def objective_problems(objective: ObjectiveConfig) -> list[str]:
             family = field in ("timestep_sampling", "loss_weighting")
             kind = f" for prediction_type {objective.prediction_type}" if family else ""
             valid = ", ".join(sorted(registry))
-            problems.append(f"objective: {field}: unknown name {name!r}{kind}; valid: {valid}")
+            problems.append(f"objective.{field}: unknown name {name!r}{kind}; valid: {valid}")
     if objective.is_flow and objective.timestep_sampling == "mode":
         try:
             check_mode_scale(objective.mode_scale)
         except ValueError as error:
-            problems.append(f"objective: {error}")
+            problems.append(f"objective.mode_scale: {error}")
     return problems
 
 
@@ -107,10 +107,10 @@ def optim_problems(optim: OptimConfig) -> list[str]:
     problems = []
     if optim.name not in OPTIMIZERS:
         name, valid = optim.name, ", ".join(sorted(OPTIMIZERS))
-        problems.append(f"optim: name: unknown optimizer {name!r}; valid: {valid}")
+        problems.append(f"optim.name: unknown optimizer {name!r}; valid: {valid}")
     if optim.lr_schedule not in LR_SCHEDULES:
         name, valid = optim.lr_schedule, ", ".join(sorted(LR_SCHEDULES))
-        problems.append(f"optim: lr_schedule: unknown schedule {name!r}; valid: {valid}")
+        problems.append(f"optim.lr_schedule: unknown schedule {name!r}; valid: {valid}")
     return problems
 
 
@@ -120,7 +120,7 @@ def sample_problems(sample: SampleConfig, objective: ObjectiveConfig) -> list[st
 
     if sample.sampler not in SAMPLERS:
         valid = ", ".join(sorted(SAMPLERS))
-        return [f"sample: sampler: unknown name {sample.sampler!r}; valid: {valid}"]
+        return [f"sample.sampler: unknown name {sample.sampler!r}; valid: {valid}"]
     if objective.is_flow and sample.sampler not in FLOW_SAMPLERS:
         return [
             f"sample.sampler: {sample.sampler!r} cannot sample a flow model; "

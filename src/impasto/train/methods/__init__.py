@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from impasto.registry import lookup, registrar
+
 if TYPE_CHECKING:
     from impasto.data import Batch
     from impasto.models.backbone import Backbone
@@ -64,26 +66,13 @@ METHODS: dict[str, MethodBuilder] = {}
 """``objective.method`` → the builder of that training method."""
 
 
-def register_method(name: str) -> Callable[[MethodBuilder], MethodBuilder]:
-    """Decorator: register a method builder under ``name``."""
-
-    def register(builder: MethodBuilder) -> MethodBuilder:
-        if name in METHODS:
-            raise ValueError(f"training method {name!r} is registered twice")
-        METHODS[name] = builder
-        return builder
-
-    return register
+register_method = registrar(METHODS, "training method")
+"""Decorator: ``@register_method("name")`` on a builder ``(MethodContext) -> Method``."""
 
 
 def build_method(context: MethodContext) -> Method:
     """The method ``objective.method`` names (default ``denoise``)."""
-    name = getattr(context.config.objective, "method", "denoise")
-    if name not in METHODS:
-        raise ValueError(
-            f"objective.method: unknown method {name!r}; valid: {', '.join(sorted(METHODS))}"
-        )
-    return METHODS[name](context)
+    return lookup(METHODS, context.config.objective.method, "objective.method", "method")(context)
 
 
 from impasto.train.methods import denoise  # noqa: E402,F401  (registers "denoise")
