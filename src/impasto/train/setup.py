@@ -3,7 +3,6 @@ it, so the benchmark times exactly the step that trains."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -66,33 +65,44 @@ class StepSetup:
         if self.fused is not None:
             grad_norm, nonfinite = self.fused.finish_step()
             return grad_norm, nonfinite == 0
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm or math.inf)
+        grads = [param.grad for param in self.params if param.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
         finite = torch.isfinite(norm)
-        step_if_finite(self.optimizer, self.params, finite)
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer = self.optimizer
+        if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: skips in the kernel
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(self.params, max_grad_norm, norm)
+            optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+        else:
+            zero_unless_finite(self.params, grads, norm, finite, max_grad_norm)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         return norm, finite
 
 
-def step_if_finite(
-    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], finite: Tensor
+def zero_unless_finite(
+    params: list[torch.nn.Parameter],
+    grads: list[Tensor],
+    norm: Tensor,
+    finite: Tensor,
+    max_grad_norm: float | None,
 ) -> None:
-    """``optimizer.step()`` that leaves the weights alone when ``finite`` is false, decided on
-    the device."""
-    if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: skips in the kernel
-        optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf
-        return
-    # Both passes leave finite gradients bit for bit as they are (the norm is finite only when
-    # every gradient is); otherwise every gradient becomes 0.
-    grads = [param.grad for param in params if param.grad is not None]
+    """Clip the gradients to ``max_grad_norm`` where their norm is finite, else make them all 0,
+    in two passes and no host sync. Finite gradients come out bit for bit as
+    ``clip_grad_norm_`` leaves them (sanitising changes none of them)."""
     for grad in grads:
         grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    if grads:
-        torch._foreach_mul_(grads, finite.to(grads[0].dtype))
-    optimizer.step()
+    if max_grad_norm is None:
+        if grads:
+            torch._foreach_mul_(grads, finite.to(grads[0].dtype))
+        return
+    # An infinite norm makes the clipping coefficient max_norm / (inf + eps) = 0 exactly.
+    norm = torch.where(finite, norm, torch.inf)
+    torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
 
 
 def build_step_setup(
