@@ -18,6 +18,7 @@ import torch
 import impasto
 from impasto.config import build_config
 from impasto.train import trainer as trainer_module
+from impasto.train.setup import clip_and_step
 
 SOURCE = Path(impasto.__file__).parent
 HOST_DATA = SOURCE / "data"
@@ -81,3 +82,43 @@ def test_non_logging_steps_make_no_host_sync(tiny_raw, monkeypatch, sections):
     quiet_steps = [call for step, call in calls if step < 4]
     assert quiet_steps == []
     assert any(step == 4 for step, _ in calls)  # the logging step does read (the test sees it)
+
+
+def _model_and_grads(nonfinite: bool) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model(torch.randn(4, 8)).square().mean().backward()
+    params = list(model.parameters())
+    if nonfinite:
+        params[1].grad[0] = float("nan")
+    return model, params
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["found_inf", "zeroed"])
+@pytest.mark.parametrize("max_grad_norm", [0.01, None])
+def test_clip_and_step_equals_plain_clipping_and_keeps_nonfinite_gradients_out(
+    fused, max_grad_norm
+):
+    def optimizer(params):
+        return torch.optim.AdamW(params, lr=0.1, weight_decay=0.0, fused=fused, foreach=not fused)
+
+    model, params = _model_and_grads(nonfinite=False)
+    reference, reference_params = _model_and_grads(nonfinite=False)
+    norm, finite = clip_and_step(optimizer(params), params, max_grad_norm)
+    torch.nn.utils.clip_grad_norm_(reference_params, max_grad_norm or float("inf"))
+    optimizer(reference_params).step()
+    assert bool(finite) and norm > 0
+    for mine, theirs in zip(params, reference_params, strict=True):
+        assert torch.equal(mine, theirs)  # bit for bit the plain clip + step
+
+    model, params = _model_and_grads(nonfinite=True)
+    before = [param.detach().clone() for param in params]
+    adamw = optimizer(params)
+    _, finite = clip_and_step(adamw, params, max_grad_norm)
+    assert not bool(finite)
+    # Weight decay 0: a skipped step (fused) and a step on zero gradients (Adam's first step
+    # moves by m / (sqrt(v) + eps) = 0) both leave every weight as it was.
+    for param, old in zip(params, before, strict=True):
+        assert torch.equal(param, old)
+    if fused:  # the kernel skipped: not even the step counters moved
+        assert all(float(state["step"]) == 0 for state in adamw.state.values())

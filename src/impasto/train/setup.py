@@ -65,23 +65,30 @@ class StepSetup:
         if self.fused is not None:
             grad_norm, nonfinite = self.fused.finish_step()
             return grad_norm, nonfinite == 0
-        grads = [param.grad for param in self.params if param.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        finite = torch.isfinite(norm)
-        optimizer = self.optimizer
-        if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: skips in the kernel
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(self.params, max_grad_norm, norm)
-            optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
-            try:
-                optimizer.step()
-            finally:
-                del optimizer.grad_scale, optimizer.found_inf
-        else:
-            zero_unless_finite(self.params, grads, norm, finite, max_grad_norm)
+        return clip_and_step(self.optimizer, self.params, max_grad_norm)
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float | None
+) -> tuple[Tensor, Tensor]:
+    """``clip_grad_norm_`` then ``step`` and ``zero_grad``, unless the gradient norm is not
+    finite: then the weights do not see the gradients (see :meth:`StepSetup.update`)."""
+    grads = [param.grad for param in params if param.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    finite = torch.isfinite(norm)
+    if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: skips in the kernel
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+        optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
+        try:
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm, finite
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+    else:
+        zero_unless_finite(params, grads, norm, finite, max_grad_norm)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, finite
 
 
 def zero_unless_finite(
