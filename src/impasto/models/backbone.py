@@ -18,15 +18,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from impasto.registry import lookup, registrar
 
-if TYPE_CHECKING:
-    from impasto.data import Batch
+
+class Batch(Protocol):
+    """What a backbone reads from a training batch (``impasto.data.Batch`` has it): the size
+    micro-conditioning ``[B, 2]`` (height, width) / (top, left), and cached text encodings when
+    the batch comes from the disk cache (else None)."""
+
+    captions: list[str]
+    original_sizes: Tensor
+    crop_top_lefts: Tensor
+    target_sizes: Tensor
+    prompt_embeds: Tensor | None
+    pooled_prompt_embeds: Tensor | None
 
 
 @runtime_checkable

@@ -9,16 +9,13 @@ stock pipeline.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from impasto.models.backbone import register_backbone
+from impasto.models.backbone import Batch, register_backbone
 from impasto.models.components import PromptEmbeds, SDXLComponents, add_time_ids, encode_prompts
-
-if TYPE_CHECKING:
-    from impasto.data import Batch
 
 PART_NAMES = ("unet", "text_encoder", "text_encoder_2")
 
