@@ -100,3 +100,12 @@ def test_a_checkpoint_missing_run_state_is_one_line_error(tmp_path, demo_folder)
     (first.last_checkpoint / "optimizer.pt").unlink()
     with pytest.raises(ValueError, match="no 'optimizer' state .* use --no-resume"):
         train(build_config(_raw(demo_folder, run_dir, 10)))
+
+
+def test_resuming_with_other_adapters_is_a_one_line_error(tmp_path, demo_folder):
+    run_dir = tmp_path / "run"
+    train(build_config(_raw(demo_folder, run_dir, 5)))
+    raw = _raw(demo_folder, run_dir, 10)
+    raw["lora"]["targets"] = "attention_ff"  # more adapted layers than the checkpoint holds
+    with pytest.raises(ValueError, match=r"step-00000005: unet weights do not match the model"):
+        train(build_config(raw))

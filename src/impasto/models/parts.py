@@ -125,14 +125,21 @@ def param_groups(parts: dict[str, Part]) -> list[dict[str, Any]]:
     ]
 
 
-def trains_text_encoders(config: Config) -> bool:
-    return config.parts.text_encoder != "frozen" or config.parts.text_encoder_2 != "frozen"
-
-
 def set_train_mode(parts: dict[str, Part], backbone: Backbone) -> None:
     """Trained parts in train mode (dropout), the rest in eval mode."""
     for name, module in backbone.modules().items():
         module.train(name in parts)
+
+
+def load_part(part: Part, state: dict[str, Tensor]) -> None:
+    """Load a part's checkpoint tensors; one-line ``ValueError`` when they do not fit."""
+    result = part.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        bad = (result.missing_keys or result.unexpected_keys)[0]
+        raise ValueError(
+            f"{part.name} weights do not match the model ({bad!r}); was model.*, parts.* or "
+            "lora.* changed? restore it or use --no-resume"
+        )
 
 
 def load_part_weights(
@@ -142,13 +149,10 @@ def load_part_weights(
     for name, part in parts.items():
         if name not in tensors:
             raise ValueError(f"{where}: no {name}.safetensors; it was not written by this run")
-        result = part.load_state_dict(tensors[name], strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            bad = (result.missing_keys or result.unexpected_keys)[0]
-            raise ValueError(
-                f"{where}: {name} weights do not match the model ({bad!r}); "
-                "was model.*, parts.* or lora.* changed? restore it or use --no-resume"
-            )
+        try:
+            load_part(part, tensors[name])
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
 
 
 def init_adapters_from_kohya(parts: dict[str, Part], lora: LoraConfig) -> int:

@@ -19,7 +19,7 @@ from impasto.checkpoint.stateful import Stateful, StatefulValue, load_states, sa
 from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_diff, config_hash, config_to_dict, config_to_yaml
 from impasto.logging import METRICS_FILE
-from impasto.models.parts import Part
+from impasto.models.parts import Part, load_part
 from impasto.train.ema import EMA
 from impasto.train.rng import capture_rng_state, restore_rng_state
 from impasto.version import __version__
@@ -120,17 +120,7 @@ def run_info(config: Config, optimizer: torch.optim.Optimizer) -> StatefulValue:
 def part_state(part: Part) -> StatefulValue:
     """A trained part's weights (the whole module, or its adapter); a one-line error when the
     checkpoint's do not fit."""
-
-    def load(state: dict[str, torch.Tensor]) -> None:
-        result = part.load_state_dict(state, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            bad = (result.missing_keys or result.unexpected_keys)[0]
-            raise ValueError(
-                f"{part.name} weights do not match the model ({bad!r}); was model.*, parts.* "
-                "or lora.* changed? restore it or use --no-resume"
-            )
-
-    return StatefulValue(part.state_dict, load)
+    return StatefulValue(part.state_dict, lambda state: load_part(part, state))
 
 
 def report_config_changes(path: Path, config: Config) -> None:
