@@ -42,13 +42,16 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class MethodContext:
-    """What a method is built from: the run's config, the backbone, which parts train, and the
-    context factory of the step (autocast and the attention kernel)."""
+    """What a method is built from: the run's config, the backbone, which parts train, the
+    context factory of the step (autocast and the attention kernel), and this process's rank
+    among ``world`` (a method draws its randomness for the step's global batch)."""
 
     config: Any
     backbone: Backbone
     trained_parts: tuple[str, ...]
     autocast: Callable[[], Any]
+    rank: int = 0
+    world: int = 1
 
 
 class Method(Protocol):

@@ -23,6 +23,26 @@ from impasto.train.methods import DataNeeds, MethodContext, StepOutput, register
 
 
 @dataclass(frozen=True)
+class Rows:
+    """Where a rank's micro-batch sits in the step's global batch (ranks in order, ``batch_size``
+    rows each). Random draws are made for the global batch and sliced, so a sample's posterior
+    noise, noise and time do not depend on how many ranks share the step: 2 ranks × batch 2
+    draw exactly what 1 rank × batch 4 draws. One process draws only its own rows, as always."""
+
+    rank: int = 0
+    world: int = 1
+    batch_size: int = 0  # per rank, as configured
+
+    def span(self, rows: int) -> tuple[slice, int]:
+        """(this rank's rows of the global draw, the global draw's length) for ``rows`` rows
+        here (fewer than ``batch_size`` when unreadable images were dropped)."""
+        if self.world == 1:
+            return slice(0, rows), rows
+        start = self.rank * self.batch_size
+        return slice(start, start + rows), self.world * self.batch_size
+
+
+@dataclass(frozen=True)
 class DenoiseOutput:
     loss: Tensor  # scalar, differentiable
     per_sample_loss: Tensor  # [B], detached
@@ -37,9 +57,11 @@ def denoising_loss(
     autocast: Callable[[], AbstractContextManager],
     memo: EncodingMemo | None = None,
     train_text: bool = False,
+    rows: Rows = Rows(),
 ) -> DenoiseOutput:
     """The loss of one micro-batch. Randomness (posterior sample, noise, t) comes from
-    ``generator``, which lives on the CPU so a run draws the same numbers on any device.
+    ``generator``, which lives on the CPU so a run draws the same numbers on any device, and
+    is drawn for the step's global batch (``rows``: this rank's place in it).
     ``memo`` (``cache: memory``) reuses earlier encodings of the same images and captions;
     ``train_text``: the prompts are encoded with gradients (a text encoder trains).
     """
@@ -47,7 +69,8 @@ def denoising_loss(
     memo = memo or EncodingMemo(latents=False, text_embeddings=False)
     with torch.no_grad():
         mean, std = memo.posterior(backbone, batch)
-        noise_for_posterior = torch.randn(mean.shape, generator=generator)
+        mine, total = rows.span(mean.shape[0])
+        noise_for_posterior = torch.randn((total, *mean.shape[1:]), generator=generator)[mine]
         sample = mean + std * noise_for_posterior.to(device, std.dtype)
         latents = backbone.encode_latents(sample).float()
     text = backbone.text_from_cache(batch)
@@ -55,10 +78,11 @@ def denoising_loss(
         with torch.set_grad_enabled(train_text):
             text = memo.text(backbone, batch.captions, autocast)
     condition = backbone.condition(text, batch)
-    noise = torch.randn(latents.shape, generator=generator).to(device)
+    noise = torch.randn((total, *latents.shape[1:]), generator=generator).to(device)
     height, width = batch.target_sizes[0].tolist()  # a CPU tensor: no device sync
-    times = objective.sample_times(latents.shape[0], generator, device, (height, width))
+    times = objective.sample_times(total, generator, device, (height, width))
     noise, noise_for_input = objective.shape_noise(noise, generator)
+    noise, noise_for_input, times = noise[mine], noise_for_input[mine], times[mine]
     noisy_latents, target, model_times = objective.noised(latents, noise, noise_for_input, times)
     with autocast():
         prediction = backbone.forward(noisy_latents, model_times, condition)
@@ -83,6 +107,7 @@ class DenoiseMethod:
         self.objective = Objective.from_config(context.config.objective)
         self.memo = EncodingMemo.from_config(context.config)
         self.autocast = context.autocast
+        self.rows = Rows(context.rank, context.world, context.config.data.batch_size)
         # Encode captions with gradients when a part other than the denoiser (a text encoder)
         # trains.
         parts, denoiser = context.backbone.parts(), context.backbone.denoiser()
@@ -91,7 +116,7 @@ class DenoiseMethod:
     def step(self, batch: Batch, generator: torch.Generator) -> StepOutput:
         out = denoising_loss(
             self.backbone, self.objective, batch, generator, self.autocast, self.memo,
-            train_text=self.train_text,
+            train_text=self.train_text, rows=self.rows,
         )  # fmt: skip
         return StepOutput(out.loss)
 
