@@ -172,7 +172,9 @@ class Trainer:
             self.check_bad_fraction()
             if batch.size == 0:
                 continue
-            seed = derive_seed(config.train.seed, 0, state.step, micro)  # (seed, rank, step, micro)
+            # (seed, rank, step, micro) with rank 0 on every rank: methods draw for the global
+            # batch and keep their rows, so the draws do not depend on the number of ranks.
+            seed = derive_seed(config.train.seed, 0, state.step, micro)
             out = self.setup.micro_step(batch, torch.Generator().manual_seed(seed), 1 / accum)
             total_loss += out.loss
             for name, value in out.metrics.items():
