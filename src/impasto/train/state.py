@@ -43,8 +43,8 @@ class TrainState:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        for name, value in state.items():
-            setattr(self, name, int(value))
+        for field in dataclasses.fields(self):  # a counter the checkpoint lacks starts at 0
+            setattr(self, field.name, int(state.get(field.name, field.default)))
 
 
 def prepare_run_dir(config: Config, resume: bool) -> Path:
