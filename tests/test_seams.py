@@ -104,3 +104,12 @@ def test_prompts_only_method_opens_no_image(tmp_path, demo_folder, monkeypatch):
     losses = [record["loss"] for record in _records(result.run_dir)]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert set(load_file(result.last_checkpoint / "text_encoder.safetensors")) == {"embed.weight"}
+
+
+def test_impasto_train_is_callable_after_its_subpackage_is_imported(tiny_raw):
+    import impasto
+    import impasto.train.trainer  # noqa: F401  (rebinds impasto.train to the subpackage)
+
+    tiny_raw["train"]["max_steps"] = 1
+    result = impasto.train(impasto.build_config(tiny_raw))
+    assert result.state.step == 1

@@ -6,6 +6,8 @@ for :mod:`impasto.train.checks`) does not pull in the whole trainer.
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,5 +25,16 @@ def train(config: Config, resume: bool = True) -> TrainResult:
 
     return _train(config, resume=resume)
 
+
+class _CallableModule(types.ModuleType):
+    """``impasto.train(config)`` (DESIGN §2) keeps working once this subpackage is imported:
+    importing ``impasto.train.<anything>`` rebinds the name ``impasto.train`` from the root
+    package's function to this module, so the module calls :func:`train` itself."""
+
+    def __call__(self, config: Config, resume: bool = True) -> TrainResult:
+        return train(config, resume=resume)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 __all__ = ["train"]
