@@ -78,9 +78,9 @@ def read_states(path: Path) -> dict[str, Any]:
     return {**data.objects, **data.state, **data.tensors}
 
 
-def load_states(path: Path, states: dict[str, Stateful]) -> dict[str, Any]:
-    """Load the checkpoint at ``path`` into ``states``, in their order; returns every entry
-    read (for the caller's checks). A missing entry is a one-line error naming it."""
+def load_states(path: Path, states: dict[str, Stateful]) -> None:
+    """Load the checkpoint at ``path`` into ``states``, in their order. A missing entry is a
+    one-line error naming it."""
     saved = read_states(path)
     for name, stateful in states.items():
         if name not in saved:
@@ -93,7 +93,6 @@ def load_states(path: Path, states: dict[str, Stateful]) -> dict[str, Any]:
             stateful.load_state_dict(saved[name])
         except ValueError as error:
             raise ValueError(f"checkpoint {path}: {error}") from None
-    return saved
 
 
 def migrate_format_1(data: CheckpointData) -> None:

@@ -125,7 +125,8 @@ def part_state(part: Part) -> StatefulValue:
 
 def report_config_changes(path: Path, config: Config) -> None:
     """Print how ``config`` differs from the one a checkpoint was written with."""
-    saved_text = (path / "config.yaml").read_text(encoding="utf-8") if path.exists() else ""
+    saved_file = path / "config.yaml"
+    saved_text = saved_file.read_text(encoding="utf-8") if saved_file.is_file() else ""
     saved = yaml.safe_load(saved_text) or {}
     changes = config_diff(saved, config_to_dict(config))
     if changes:
