@@ -280,8 +280,10 @@ def test_nonfinite_gradients_skip_steps_then_stop(tmp_path, demo_folder, monkeyp
     )
 
 
-def test_train_refuses_torchrun_until_ranks_are_supported(tmp_path, demo_folder, monkeypatch):
+def test_train_under_torchrun_needs_a_parallel_strategy(tmp_path, demo_folder, monkeypatch):
+    """Without parallel.strategy every rank would train its own copy into one run directory."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(ValueError, match="impasto train runs in one process for now"):
+    with pytest.raises(ValueError, match="parallel.strategy is none, but torchrun started 2"):
         train(build_config(_raw(demo_folder, tmp_path / "run")))
+    assert not (tmp_path / "run").exists()  # refused before anything was written

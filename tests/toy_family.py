@@ -169,7 +169,7 @@ class X0Method:
     def __init__(self, context: MethodContext) -> None:
         self.backbone, self.autocast = context.backbone, context.autocast
 
-    def step(self, batch: Any, generator: torch.Generator) -> StepOutput:
+    def step(self, batch: Any, generator: torch.Generator, rows: Any = None) -> StepOutput:
         backbone = self.backbone
         with torch.no_grad():
             mean, _ = backbone.latent_posterior(batch.pixel_values)
@@ -191,7 +191,7 @@ class PromptMethod:
     def __init__(self, context: MethodContext) -> None:
         self.backbone = context.backbone
 
-    def step(self, batch: Any, generator: torch.Generator) -> StepOutput:
+    def step(self, batch: Any, generator: torch.Generator, rows: Any = None) -> StepOutput:
         assert batch.pixel_values is None  # a prompts-only stream never loads an image
         embedding = self.backbone.encode_text(batch.captions).embedding
         return StepOutput(embedding.square().mean())

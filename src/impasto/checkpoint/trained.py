@@ -13,6 +13,8 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from impasto.checkpoint import sharded
+from impasto.checkpoint.sharded import is_sharded
 from impasto.checkpoint.state import STATE_FILE, latest_checkpoint
 from impasto.config import Config, build_config
 from impasto.models.backbone import Backbone, build_backbone
@@ -44,8 +46,13 @@ def model_metadata(config: Config) -> dict[str, str]:
 
 
 def read_model_metadata(path: str | Path) -> dict[str, str]:
-    """The ``impasto.*`` header of a checkpoint's (or run's newest) ``unet.safetensors``."""
-    weights = resolve_checkpoint(path) / "unet.safetensors"
+    """The ``impasto.*`` header of a checkpoint's (or run's newest) ``unet.safetensors`` (a
+    sharded checkpoint keeps it in its ``state.json``)."""
+    checkpoint = resolve_checkpoint(path)
+    if is_sharded(checkpoint):
+        metadata = sharded.read_model_metadata(checkpoint).get("unet", {})
+        return {key: value for key, value in metadata.items() if key.startswith("impasto.")}
+    weights = checkpoint / "unet.safetensors"
     try:
         with safe_open(weights, framework="pt") as handle:
             metadata = handle.metadata() or {}
@@ -84,8 +91,22 @@ def load_trained(path: str | Path, ema: bool = False) -> tuple[Config, Backbone]
     config = build_config(yaml.safe_load(config_file.read_text(encoding="utf-8")))
     backbone = build_backbone(config)
     parts = prepare_parts(config, backbone)
+    tensors = read_weights(checkpoint, set(parts))
+    load_part_weights(parts, tensors, f"checkpoint {checkpoint}")
+    if ema:
+        load_ema_weights(parts, checkpoint)
+    for module in backbone.modules().values():
+        module.requires_grad_(False).eval()
+    return config, backbone
+
+
+def read_weights(checkpoint: Path, names: set[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """The weights entries ``names`` of a checkpoint that has them: its ``NAME.safetensors``
+    files, or whole tensors from the shards of a parallel run's checkpoint (any rank count)."""
+    if is_sharded(checkpoint):
+        return sharded.read_weights(checkpoint, names)
     tensors = {}
-    for name in parts:
+    for name in sorted(names):
         weights = checkpoint / f"{name}.safetensors"
         if not weights.is_file():
             continue  # load_part_weights names the missing file
@@ -95,23 +116,17 @@ def load_trained(path: str | Path, ema: bool = False) -> tuple[Config, Backbone]
             raise ValueError(
                 f"checkpoint {checkpoint}: cannot read {weights.name} ({error})"
             ) from None
-    load_part_weights(parts, tensors, f"checkpoint {checkpoint}")
-    if ema:
-        load_ema_weights(parts, checkpoint)
-    for module in backbone.modules().values():
-        module.requires_grad_(False).eval()
-    return config, backbone
+    return tensors
 
 
 def load_ema_weights(parts: dict, checkpoint: Path) -> None:
     """Copy ``ema.safetensors`` (keys ``part.parameter``, as the trainer's EMA names them) into
     the trained parameters; one-line error when it is missing or does not fit."""
-    path = checkpoint / "ema.safetensors"
-    if not path.is_file():
+    shadows = read_weights(checkpoint, {"ema"}).get("ema")
+    if shadows is None:
         raise ValueError(
             f"checkpoint {checkpoint}: no ema.safetensors; the run trained without ema.enabled"
         )
-    shadows = load_file(path)
     trained = {
         f"{name}.{param_name}": param
         for name, part in parts.items()

@@ -99,7 +99,7 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
-    return config.model_dump(mode="json")
+    return config.model_dump(mode="json", by_alias=True)
 
 
 def config_to_yaml(config: Config) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from impasto.config.data import CacheConfig, DataConfig
 from impasto.config.section import Section
@@ -311,9 +311,47 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
+
     every_steps: int = Field(500, ge=1)
     keep_last: int = Field(3, ge=1)
     save_final: bool = True
+    async_save: bool = Field(
+        False,
+        alias="async",
+        description="parallel strategies: write the sharded checkpoint in the background while "
+        "the next steps run (it becomes the newest checkpoint once every rank has written it)",
+    )
+
+
+class ParallelConfig(Section):
+    """Training on several processes (``torchrun``): docs/distributed.md."""
+
+    strategy: Literal["none", "ddp", "fsdp", "hsdp"] = Field(
+        "none",
+        description="none: one process; ddp: full replicas, gradients all-reduced; fsdp: weights, "
+        "gradients and optimizer state sharded over every rank (FSDP2); hsdp: sharded within "
+        "a group of parallel.shard_size ranks (a node), replicated across groups",
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="fsdp/hsdp: free each block's gathered weights after its forward and gather "
+        "them again in backward (less memory, one more all-gather per block)",
+    )
+    param_dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="fsdp/hsdp: the dtype weights are gathered and computed in; auto: bf16 when "
+        "the run computes in bf16, else fp32",
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="fsdp/hsdp: the dtype gradients are reduced in"
+    )
+    shard_size: int | None = Field(
+        None, ge=1, description="hsdp: ranks per shard group (default: the processes per node)"
+    )
+    timeout_s: int = Field(
+        1800, ge=10, description="how long a rank waits for the others in one collective"
+    )
 
 
 class SampleConfig(Section):
@@ -364,6 +402,7 @@ class Config(Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
@@ -389,6 +428,7 @@ class Config(Section):
                 "memory.offload_blocks runs the offloaded blocks uncompiled (their weights move "
                 "every step); set memory.compile: none"
             )
+        self._parallel_options_fit()
         pure_bf16 = self.train.mixed_precision == "pure_bf16"
         if pure_bf16 and self.optim.name not in PURE_BF16_OPTIMIZERS:
             raise ValueError(
@@ -396,6 +436,38 @@ class Config(Section):
                 f"without losing small steps: optim.name {' or '.join(PURE_BF16_OPTIMIZERS)}"
             )
         return self
+
+    def _parallel_options_fit(self) -> None:
+        strategy, memory = self.parallel.strategy, self.memory
+        if strategy == "none":
+            if self.checkpoint.async_save:
+                raise ValueError(
+                    "checkpoint.async writes sharded checkpoints of a parallel run; set "
+                    "parallel.strategy (ddp, fsdp, hsdp) or checkpoint.async: false"
+                )
+            return
+        if memory.fused_backward:
+            raise ValueError(
+                f"memory.fused_backward steps each weight inside backward, before "
+                f"parallel.strategy {strategy} has reduced its gradient across ranks; set "
+                "memory.fused_backward: false (sharding saves the memory it would)"
+            )
+        if memory.offload_blocks:
+            raise ValueError(
+                f"memory.offload_blocks moves weights that parallel.strategy {strategy} manages; "
+                "set memory.offload_blocks: false (fsdp shards the weights instead)"
+            )
+        sharded = strategy in ("fsdp", "hsdp")
+        if sharded and self.optim.name == "adamw_8bit":
+            raise ValueError(
+                f"optim.name adamw_8bit (bitsandbytes) cannot step the sharded weights of "
+                f"parallel.strategy {strategy}; use adamw (or ddp)"
+            )
+        if sharded and self.ema.enabled and self.ema.device == "cpu":
+            raise ValueError(
+                f"ema.device: cpu keeps full copies on the host, but parallel.strategy {strategy} "
+                "shards the EMA like its weights; set ema.device: same"
+            )
 
     @model_validator(mode="after")
     def _cache_fits_the_parts(self) -> Config:

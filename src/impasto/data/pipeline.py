@@ -27,22 +27,25 @@ from impasto.data.demo import write_demo_dataset
 from impasto.data.folder import read_manifest
 from impasto.data.sampler import ResumableBatchSampler
 from impasto.data.sources import hf_dataset_records, parquet_records, webdataset_records
-from impasto.distributed import process_group
+from impasto.distributed import RunGroup, barrier, process_group
 from impasto.models.backbone import build_backbone
 from impasto.precision import autocast_factory, resolve_device, resolve_precision
 
 Bucket = tuple[int, int]
 
 
-def load_records(config: Any) -> list[ImageRecord]:
+def load_records(config: Any, main: bool = True) -> list[ImageRecord]:
     """Every source's records, each repeated ``repeats`` times with its ``loss_weight``, then
-    the images without a caption left out (``data.missing_captions: skip``), counted and named."""
+    the images without a caption left out (``data.missing_captions: skip``), counted and named.
+    ``main``: this process writes the demo dataset when it is missing (the other ranks of a
+    run wait for it)."""
     data = config.data
-    if data.generate_demo and not Path(data.path).exists():
+    if main and data.generate_demo and not Path(data.path).exists():
         count = write_demo_dataset(
             Path(data.path), data.demo_num_images, data.resolution, seed=config.train.seed
         )
         print(f"impasto: wrote {count} demo images to {data.path}")
+    barrier()
     records = []
     for source in data.source_list():
         found = SOURCE_READERS[source.source](source, shard_index_dir(config))
@@ -140,16 +143,18 @@ def record_loss_weights(config: Any, records: list[ImageRecord]) -> list[float] 
 
 
 def count_total_steps(
-    config: Any, num_images: int, bucket_of: list[Bucket | None] | None = None
+    config: Any, num_images: int, bucket_of: list[Bucket | None] | None = None, world: int = 1
 ) -> int:
-    """Optimizer steps of the run: ``train.max_steps``, capped by ``train.max_epochs``."""
+    """Optimizer steps of the run: ``train.max_steps``, capped by ``train.max_epochs`` (a step
+    takes ``grad_accum_steps`` batches on each of ``world`` ranks)."""
     sampler = training_sampler(
         num_images, config.data.batch_size, config.train.seed, (0, 0), bucket_of
     )
     batches_per_epoch = sampler.num_batches_per_epoch
     total = config.train.max_steps or math.inf
     if config.train.max_epochs is not None:
-        epoch_steps = config.train.max_epochs * batches_per_epoch // config.train.grad_accum_steps
+        per_step = config.train.grad_accum_steps * world
+        epoch_steps = config.train.max_epochs * batches_per_epoch // per_step
         total = min(total, epoch_steps)
     if total < 1:
         raise ValueError("train.max_epochs: the run would make no optimizer step; raise it")
@@ -174,6 +179,8 @@ class DataStream:
         bucket_of: Sequence[Bucket | None] | None = None,
         loss_weights: Sequence[float] | None = None,
         cache: CachedEncodings | None = None,
+        rank: int = 0,
+        world: int = 1,
     ) -> None:
         data = config.data
         self.loader, self.sampler = build_dataloader(
@@ -189,6 +196,8 @@ class DataStream:
             caption_tools=caption_tools_from(data),
             loss_weights=loss_weights,
             cache=cache,
+            rank=rank,
+            world_size=world,
         )
         self._iterator = None
 
@@ -222,11 +231,13 @@ class PromptStream:
     """Batches of captions only, in the same resumable order as :class:`DataStream`, for
     methods that generate from prompts: no image is opened."""
 
-    def __init__(self, config: Any, records: Sequence[ImageRecord]) -> None:
+    def __init__(
+        self, config: Any, records: Sequence[ImageRecord], rank: int = 0, world: int = 1
+    ) -> None:
         self.captions = [record.caption for record in records]
         self.resolution = config.data.resolution
         self.sampler: ResumableBatchSampler = training_sampler(
-            len(records), config.data.batch_size, config.train.seed
+            len(records), config.data.batch_size, config.train.seed, rank=rank, world_size=world
         )
 
     @property
@@ -290,29 +301,39 @@ class RunData:
 
 
 def prepare_run_data(
-    config: Any, backbone: Any, run_dir: Path, images: bool, autocast: Any, precision: str
+    config: Any,
+    backbone: Any,
+    run_dir: Path,
+    images: bool,
+    autocast: Any,
+    precision: str,
+    group: RunGroup | None = None,
 ) -> RunData:
     """Records, buckets, loss weights and (``cache.*: disk``) the filled cache, as a stream.
 
     ``images``: the method trains on images (else a :class:`PromptStream`, opening none).
+    ``group``: this process's rank in a parallel run (it loads its share of every step, and
+    fills its share of the cache); rank 0 alone writes the reports.
     """
-    records = load_records(config)
+    group = group or RunGroup()
+    rank, world = group.rank, group.world
+    records = load_records(config, group.is_main)
     bad_data = BadDataLog(run_dir / BAD_DATA_FILE)
     if not images:
-        total = count_total_steps(config, len(records))
-        return RunData(records, PromptStream(config, records), total, bad_data)
+        total = count_total_steps(config, len(records), world=world)
+        return RunData(records, PromptStream(config, records, rank, world), total, bad_data)
     image_ids, encodings = None, None
     if config.cache.on_disk:
-        records, image_ids = identify_images(config, records)
-    bucket_of = place_in_buckets(config, records, run_dir)
-    total = count_total_steps(config, len(records), bucket_of)
+        records, image_ids = identify_images(config, records, rank, world)
+    bucket_of = place_in_buckets(config, records, run_dir if group.is_main else None)
+    total = count_total_steps(config, len(records), bucket_of, world)
     if config.cache.on_disk:
         encodings, report = fill_cache(
-            config, backbone, records, image_ids, bucket_of, autocast, precision
+            config, backbone, records, image_ids, bucket_of, autocast, precision, rank, world
         )
         print(f"impasto: {report.format()}")
     weights = record_loss_weights(config, records)
-    stream = DataStream(config, records, bucket_of, weights, encodings)
+    stream = DataStream(config, records, bucket_of, weights, encodings, rank, world)
     return RunData(records, stream, total, bad_data)
 
 
@@ -328,7 +349,7 @@ def cache_data(config: Any) -> CacheReport:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         precision = resolve_precision(config.train.mixed_precision, device)
-        records, image_ids = identify_images(config, load_records(config), rank, world)
+        records, image_ids = identify_images(config, load_records(config, rank == 0), rank, world)
         bucket_of = place_in_buckets(config, records, None)
         backbone = build_backbone(config).to(device)
         for module in backbone.modules().values():

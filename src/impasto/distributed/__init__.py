@@ -7,13 +7,18 @@ the parts that split work across ranks take ``(rank, world_size)`` as plain inte
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -55,3 +60,159 @@ def gather_to_all(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+@dataclass(frozen=True)
+class RunGroup:
+    """Where this process stands in a run: its rank among ``world``, its device and (for
+    ``fsdp`` / ``hsdp``) the device mesh. Rank 0 alone prints, logs and writes files."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    strategy: str = "none"
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.strategy != "none"
+
+    def any(self, *flags: bool) -> list[bool]:
+        """Each flag, true if it is true on any rank (one small all-reduce of a CPU tensor,
+        through gloo: no device sync). In one process, the flags themselves."""
+        if self.world == 1:
+            return [bool(flag) for flag in flags]
+        values = torch.tensor([int(flag) for flag in flags], dtype=torch.int32)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return [bool(value) for value in values.tolist()]
+
+    def sum(self, *counts: int) -> list[int]:
+        """Each count summed over the ranks (on the host)."""
+        if self.world == 1:
+            return list(counts)
+        values = torch.tensor(counts, dtype=torch.int64)
+        dist.all_reduce(values)
+        return values.tolist()
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (a device tensor) averaged over the ranks."""
+        if self.world == 1:
+            return values
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.AVG if values.is_cuda else dist.ReduceOp.SUM)
+        return values if values.is_cuda else values / self.world
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
+        if self.world == 1:
+            return [value]
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def agree(self, what: str, value: Any, fix: str) -> None:
+        """A one-line error on every rank when the ranks hold different ``value``s."""
+        values = self.gather(value)
+        odd = [rank for rank, other in enumerate(values) if other != values[0]]
+        if odd:
+            raise ValueError(
+                f"ranks disagree on {what}: rank 0 has {values[0]}, rank {odd[0]} has "
+                f"{values[odd[0]]}; {fix}"
+            )
+
+
+def run_device(device_option: str, local_rank: int) -> torch.device:
+    """``train.device`` (auto, cpu, cuda, cuda:N) for this process of a parallel run: a CUDA
+    run uses the GPU of its local rank."""
+    from impasto.precision import resolve_device
+
+    device = resolve_device(device_option)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+@contextmanager
+def run_group(strategy: str, device_option: str, timeout_s: int = 1800,
+              shard_size: int | None = None) -> Iterator[RunGroup]:  # fmt: skip
+    """Join the run's process group for the block and yield this process's :class:`RunGroup`.
+
+    ``strategy`` none runs in one process (a one-line error under torchrun with several); the
+    others start a group even for one process (so ``fsdp`` runs, and resumes, on 1 GPU): NCCL
+    for CUDA tensors with gloo beside it for host flags, gloo alone on a CPU run. Ranks other
+    than 0 print nothing (their stdout goes nowhere; errors still reach stderr)."""
+    rank, world = rank_and_world()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if strategy == "none":
+        if world > 1:
+            raise ValueError(
+                f"parallel.strategy is none, but torchrun started {world} processes; set "
+                "parallel.strategy: ddp (or fsdp, hsdp) to train on all of them"
+            )
+        from impasto.precision import resolve_device
+
+        yield RunGroup(device=resolve_device(device_option))
+        return
+    device = run_device(device_option, local_rank)
+    owned = not dist.is_initialized()
+    if owned:
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout, device_id=_device_id(device))
+        else:  # one process started without torchrun
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        mesh = device_mesh(strategy, device, world, shard_size)
+        with contextlib.ExitStack() as stack:
+            if rank:
+                stack.enter_context(contextlib.redirect_stdout(stack.enter_context(
+                    open(os.devnull, "w", encoding="utf-8")
+                )))  # fmt: skip
+            yield RunGroup(rank, world, device, strategy, mesh)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _device_id(device: torch.device) -> torch.device | None:
+    return device if device.type == "cuda" else None
+
+
+def device_mesh(strategy: str, device: torch.device, world: int,
+                shard_size: int | None) -> DeviceMesh | None:  # fmt: skip
+    """``fsdp``: all ranks in one shard group; ``hsdp``: (replicas, shard_size), shard groups of
+    consecutive ranks (one node each by default). ``ddp`` needs no mesh."""
+    if strategy == "fsdp":
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    if strategy != "hsdp":
+        return None
+    size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % size:
+        raise ValueError(
+            f"parallel.shard_size: {size} does not divide the {world} ranks; set it to the "
+            "processes per node (or a divisor of the world size)"
+        )
+    return init_device_mesh(
+        device.type, (world // size, size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def say(*args: Any) -> None:
+    """Print on rank 0 only (other ranks' stdout is already silenced inside :func:`run_group`;
+    this also works outside it)."""
+    if rank_and_world()[0] == 0:
+        print(*args, file=sys.stdout)

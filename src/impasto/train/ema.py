@@ -119,7 +119,8 @@ class EMA:
         if self.device == "cpu":
             pin = torch.cuda.is_available()
             return torch.empty(like.shape, dtype=dtype, device="cpu", pin_memory=pin)
-        return torch.empty(like.shape, dtype=dtype, device=like.device)
+        # empty_like: a sharded (FSDP) weight gets a shadow sharded alike
+        return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
     def next_decay(self) -> float:
         """The decay the next update will apply (covering ``update_every`` optimizer steps)."""

@@ -31,10 +31,12 @@ def adam_options(config: OptimConfig) -> dict[str, Any]:
 def build_adamw(params: Iterable, config: OptimConfig) -> torch.optim.Optimizer:
     """Decoupled weight decay Adam (Loshchilov & Hutter, arXiv:1711.05101).
 
-    Fused (one kernel for all tensors) when every parameter is on CUDA, foreach otherwise.
+    Fused (one kernel for all tensors) when every parameter is a plain CUDA tensor, foreach
+    otherwise (sharded FSDP weights included: the step then sanitises non-finite gradients
+    itself instead of passing ``found_inf`` to the kernel).
     """
     groups = _as_groups(params)
-    on_cuda = _all_on_cuda(groups)
+    on_cuda = _all_on_cuda(groups) and not _any_sharded(groups)
     return torch.optim.AdamW(
         groups,
         **adam_options(config),
@@ -121,6 +123,10 @@ def _as_groups(params: Iterable) -> list[dict[str, Any]]:
 def _all_on_cuda(groups: list[dict[str, Any]]) -> bool:
     params = [param for group in groups for param in group["params"]]
     return bool(params) and all(param.is_cuda for param in params)
+
+
+def _any_sharded(groups: list[dict[str, Any]]) -> bool:
+    return any(hasattr(param, "device_mesh") for group in groups for param in group["params"])
 
 
 # name → builder(params or param groups, optim config). docs/optimizers.md compares them.

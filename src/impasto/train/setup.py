@@ -3,7 +3,7 @@ it, so the benchmark times exactly the step that trains."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -11,6 +11,7 @@ from torch import Tensor
 
 from impasto.config import Config
 from impasto.data import Batch
+from impasto.distributed import RunGroup
 from impasto.models.backbone import Backbone, build_backbone
 from impasto.models.parts import (
     Part,
@@ -28,9 +29,10 @@ from impasto.train.memory import (
     combined,
     set_weight_dtypes,
 )
-from impasto.train.methods import Method, MethodContext, build_method
+from impasto.train.methods import WHOLE_STEP, Method, MethodContext, Rows, build_method
 from impasto.train.offload import BlockOffload
 from impasto.train.optim import OPTIMIZERS
+from impasto.train.parallel import apply_strategy, full_value, set_gradient_sync
 
 
 @dataclass
@@ -46,11 +48,22 @@ class StepSetup:
     ema: EMA | None
     autocast: object  # a context factory: autocast and the attention kernel
     offload: BlockOffload | None = None
+    parallel_roots: list[torch.nn.Module] = field(default_factory=list)  # ddp/fsdp-wrapped
 
-    def micro_step(self, batch: Batch, generator: torch.Generator, scale: float = 1.0):
+    def micro_step(
+        self,
+        batch: Batch,
+        generator: torch.Generator,
+        scale: float = 1.0,
+        rows: Rows = WHOLE_STEP,
+        sync: bool = True,
+    ):
         """Forward and backward one micro-batch (loss × ``scale``); returns the method's
-        :class:`~impasto.train.methods.StepOutput` with the loss detached."""
-        out = self.method.step(batch, generator)
+        :class:`~impasto.train.methods.StepOutput` with the loss detached. ``rows``: the
+        micro-batch's place in the step's global batch; ``sync``: reduce the gradients across
+        ranks in this backward (the step's last micro-batch) or only accumulate them."""
+        set_gradient_sync(self.parallel_roots, sync)
+        out = self.method.step(batch, generator, rows)
         (out.loss * scale).backward()
         return type(out)(out.loss.detach(), out.metrics)
 
@@ -74,7 +87,7 @@ def clip_and_step(
     """``clip_grad_norm_`` then ``step`` and ``zero_grad``, unless the gradient norm is not
     finite: then the weights do not see the gradients (see :meth:`StepSetup.update`)."""
     grads = [param.grad for param in params if param.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
+    norm = full_value(torch.nn.utils.get_total_norm(grads))  # sharded grads: over all ranks
     finite = torch.isfinite(norm)
     if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: skips in the kernel
         if max_grad_norm is not None:
@@ -113,10 +126,15 @@ def zero_unless_finite(
 
 
 def build_step_setup(
-    config: Config, device: torch.device, precision: torch.dtype | None
+    config: Config,
+    device: torch.device,
+    precision: torch.dtype | None,
+    group: RunGroup | None = None,
 ) -> StepSetup:
-    """Build the backbone, make the configured parts trainable, apply the memory options, and
-    build the optimizer, method and EMA. Seeds the global RNG (adapters initialise from it)."""
+    """Build the backbone, make the configured parts trainable, apply the memory options and
+    the parallel strategy (``group``: this process in a torchrun job), and build the optimizer,
+    method and EMA. Seeds the global RNG (adapters initialise from it: every rank alike)."""
+    group = group or RunGroup(device=device)
     torch.manual_seed(config.train.seed)
     backbone = build_backbone(config)
     trainable = prepare_parts(config, backbone)
@@ -127,6 +145,7 @@ def build_step_setup(
     set_weight_dtypes(backbone, config.train.mixed_precision, config.memory.vae_dtype)
     backbone.to(device)
     apply_memory_options(backbone, config.memory)
+    roots = apply_strategy(backbone, trainable, config.parallel, group, precision)
     offload = None
     if config.memory.offload_blocks:  # after dtypes and layout, before the optimizer
         offload = BlockOffload(
@@ -144,10 +163,13 @@ def build_step_setup(
         params=[param for group in groups for param in group["params"]],
         optimizer=fused or build(groups),
         fused=fused,
-        method=build_method(MethodContext(config, backbone, tuple(trainable), autocast)),
+        method=build_method(
+            MethodContext(config, backbone, tuple(trainable), autocast, group.rank, group.world)
+        ),
         ema=build_ema(config, trainable),
         autocast=autocast,
         offload=offload,
+        parallel_roots=roots,
     )
 
 

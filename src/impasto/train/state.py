@@ -14,8 +14,7 @@ import numpy as np
 import torch
 import yaml
 
-from impasto.checkpoint import latest_checkpoint
-from impasto.checkpoint.stateful import Stateful, StatefulValue, load_states, save_states
+from impasto.checkpoint.stateful import Stateful, StatefulValue, save_states
 from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_diff, config_hash, config_to_dict, config_to_yaml
 from impasto.logging import METRICS_FILE
@@ -47,13 +46,16 @@ class TrainState:
             setattr(self, field.name, int(state.get(field.name, field.default)))
 
 
-def prepare_run_dir(config: Config, resume: bool) -> Path:
-    """Create the run directory and write the resolved config and its hash into it.
+def prepare_run_dir(config: Config, resume: bool, main: bool = True) -> Path:
+    """Create the run directory and write the resolved config and its hash into it (``main``:
+    this process does; the other ranks of a parallel run only name it).
 
     With ``resume=False`` an earlier run's checkpoints and metrics are moved into
     ``previous-<time>/`` rather than deleted: starting over never destroys results.
     """
     run_dir = Path(config.train.output_dir)
+    if not main:
+        return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     earlier = [run_dir / name for name in (CHECKPOINTS, METRICS_FILE, "tensorboard")]
     earlier = [path for path in earlier if path.exists()]
@@ -62,11 +64,11 @@ def prepare_run_dir(config: Config, resume: bool) -> Path:
         archive.mkdir()
         for path in earlier:
             shutil.move(str(path), str(archive / path.name))
-    (run_dir / "config.yaml").write_text(_config_text(config), encoding="utf-8")
+    (run_dir / "config.yaml").write_text(config_text(config), encoding="utf-8")
     return run_dir
 
 
-def _config_text(config: Config) -> str:
+def config_text(config: Config) -> str:
     return f"# config_hash: {config_hash(config)}\n{config_to_yaml(config)}"
 
 
@@ -117,6 +119,23 @@ def run_info(config: Config, optimizer: torch.optim.Optimizer) -> StatefulValue:
     return StatefulValue(record, lambda saved: None)
 
 
+def optimizer_by_name(optimizer: torch.optim.Optimizer, parts: dict[str, Part]) -> StatefulValue:
+    """The optimizer's state keyed by parameter name (``part.parameter``) rather than by
+    position, through ``torch.distributed.checkpoint.state_dict``: what a sharded checkpoint
+    holds, so that it loads into any strategy and number of ranks (sharded moments are
+    DTensors; the state is created first when the optimizer has not stepped yet)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    root = torch.nn.ModuleDict({name: part.module for name, part in parts.items()})
+    return StatefulValue(
+        lambda: get_optimizer_state_dict(root, optimizer),
+        lambda state: set_optimizer_state_dict(root, optimizer, state),
+    )
+
+
 def part_state(part: Part) -> StatefulValue:
     """A trained part's weights (the whole module, or its adapter); a one-line error when the
     checkpoint's do not fit."""
@@ -144,16 +163,6 @@ def save_run(
         step,
         states,
         config.checkpoint.keep_last,
-        texts={"config.yaml": _config_text(config)},
+        texts={"config.yaml": config_text(config)},
         metadata={name: metadata for name in states},
     )
-
-
-def restore_run(run_dir: Path, config: Config, states: dict[str, Stateful]) -> Path | None:
-    """Load the newest complete checkpoint of ``run_dir`` into ``states``; its path or None."""
-    path = latest_checkpoint(run_dir / CHECKPOINTS)
-    if path is None:
-        return None
-    report_config_changes(path, config)
-    load_states(path, states)
-    return path

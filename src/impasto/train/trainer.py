@@ -11,31 +11,38 @@ from __future__ import annotations
 import contextlib
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from impasto.checkpoint.stateful import Stateful
-from impasto.config import Config
+from impasto.checkpoint import latest_checkpoint
+from impasto.checkpoint.sharded import ShardedCheckpointer, is_sharded, load_sharded
+from impasto.checkpoint.stateful import Stateful, load_states
+from impasto.checkpoint.trained import model_metadata
+from impasto.config import Config, config_hash
 from impasto.data import derive_seed
+from impasto.data.dataset import Skipped
 from impasto.data.pipeline import prepare_run_data
-from impasto.distributed import rank_and_world
+from impasto.distributed import RunGroup, run_group
 from impasto.logging import MetricsLogger
-from impasto.precision import resolve_device, resolve_precision
-from impasto.train.methods import DataNeeds
+from impasto.precision import resolve_precision
+from impasto.train.methods import DataNeeds, Rows
 from impasto.train.nonfinite import NonFiniteGuard
 from impasto.train.optim import LRSchedule
 from impasto.train.setup import build_step_setup
 from impasto.train.signals import StopRequest
 from impasto.train.state import (
+    CHECKPOINTS,
     RNGStreams,
     TrainState,
+    config_text,
     ema_states,
+    optimizer_by_name,
     part_state,
     prepare_run_dir,
-    restore_run,
+    report_config_changes,
     run_info,
     save_run,
 )
@@ -51,45 +58,86 @@ class TrainResult:
 
 
 def train(config: Config, resume: bool = True) -> TrainResult:
-    """Train (or continue training) the run described by ``config``."""
-    if rank_and_world()[1] > 1:
-        raise ValueError(
-            "impasto train runs in one process for now (DDP/FSDP are not built yet); under "
-            "torchrun every rank would train its own copy into the same run directory. Use "
-            "`torchrun ... -m impasto cache CONFIG` to fill the cache on all GPUs, then train"
-        )
-    return Trainer(config, resume).run()
+    """Train (or continue training) the run described by ``config``: in this process, or as
+    one rank of a ``torchrun`` job (``parallel.strategy``)."""
+    parallel = config.parallel
+    with run_group(
+        parallel.strategy, config.train.device, parallel.timeout_s, parallel.shard_size
+    ) as group:
+        return Trainer(config, resume, group).run()
 
 
 class Trainer:
-    """One run: built from a config, resumed from its newest checkpoint, then stepped."""
+    """One run: built from a config, resumed from its newest checkpoint, then stepped.
 
-    def __init__(self, config: Config, resume: bool) -> None:
+    In a parallel run every rank runs this same loop in lockstep: the collectives (gradient
+    reduction, the stop flag, metrics on logging steps, checkpoints) happen at the same steps
+    on all of them, and rank 0 alone writes logs, samples and reports."""
+
+    def __init__(self, config: Config, resume: bool, group: RunGroup | None = None) -> None:
         self.started = time.perf_counter()
         self.config = config
-        self.run_dir = prepare_run_dir(config, resume)
-        device = resolve_device(config.train.device)
-        precision = resolve_precision(config.train.mixed_precision, device)
+        self.group = group = group or RunGroup(device=run_device_of(config))
+        self.run_dir = prepare_run_dir(config, resume, group.is_main)
+        group.barrier()
+        group.agree(
+            "the config", config_hash(config),
+            "start every rank with the same config file and overrides",
+        )  # fmt: skip
+        precision = resolve_precision(config.train.mixed_precision, group.device)
         self.rng = RNGStreams(config.train.seed)
-        self.setup = setup = build_step_setup(config, device, precision)
+        self.setup = setup = build_step_setup(config, group.device, precision, group)
         images = setup.method.needs is DataNeeds.IMAGES_AND_CAPTIONS
         self.data = prepare_run_data(
-            config, setup.backbone, self.run_dir, images, setup.autocast, str(precision)
+            config, setup.backbone, self.run_dir, images, setup.autocast, str(precision), group
         )
+        group.agree(
+            "the data", (len(self.data.records), self.data.total_steps),
+            "every node must read the same dataset (a shared filesystem or identical copies)",
+        )  # fmt: skip
         self.state = TrainState()
+        self.unsynced = UnsyncedCounts()
         self.lr = LRSchedule(setup.optimizer, config.optim, self.data.total_steps)
         how = "zeroed" if setup.fused is not None else "kept out of the weights"
         self.guard = NonFiniteGuard(self.state, config.train.max_nonfinite_steps, how)
-        self.last_checkpoint = restore_run(self.run_dir, config, self.states()) if resume else None
+        self.sharded = None
+        if group.parallel:
+            self.sharded = ShardedCheckpointer(
+                self.run_dir / CHECKPOINTS, group, config.checkpoint.keep_last,
+                config.checkpoint.async_save,
+            )  # fmt: skip
+        self.last_checkpoint = self.restore() if resume else None
         if self.last_checkpoint is not None:
             print(f"impasto: resumed from {self.last_checkpoint} (step {self.state.step})")
 
-    def states(self) -> dict[str, Stateful]:
+    def restore(self) -> Path | None:
+        """Load the newest complete checkpoint: a sharded one into any strategy and number of
+        ranks, a one-process one into a one-process or ``ddp`` run."""
+        path = latest_checkpoint(self.run_dir / CHECKPOINTS)
+        if path is None:
+            return None
+        report_config_changes(path, self.config)
+        if is_sharded(path):
+            load_sharded(path, self.states(sharded=True))
+        elif self.config.parallel.strategy in ("fsdp", "hsdp"):
+            raise ValueError(
+                f"checkpoint {path} was written by a one-process run; resume it with "
+                "parallel.strategy none or ddp (the next checkpoint is sharded and loads "
+                "anywhere), or start over with --no-resume"
+            )
+        else:
+            load_states(path, self.states())
+        return path
+
+    def states(self, sharded: bool = False) -> dict[str, Stateful]:
         """Everything a checkpoint holds, by name; the RNG streams last (restoring the data
-        position may draw from them)."""
+        position may draw from them). ``sharded``: the optimizer by parameter name."""
         setup = self.setup
         states = {name: part_state(part) for name, part in setup.trainable.items()}
-        states |= {"optimizer": setup.optimizer, "lr_schedule": self.lr, "train": self.state}
+        optimizer = setup.optimizer
+        if sharded:
+            optimizer = optimizer_by_name(setup.optimizer, setup.trainable)
+        states |= {"optimizer": optimizer, "lr_schedule": self.lr, "train": self.state}
         states |= {"data": self.data.stream, "run": run_info(self.config, setup.optimizer)}
         if setup.ema is not None:
             states |= ema_states(setup.ema)
@@ -97,38 +145,80 @@ class Trainer:
 
     def run(self) -> TrainResult:
         config, state, total = self.config, self.state, self.data.total_steps
-        metrics = MetricsLogger(self.run_dir, config.log.jsonl, config.log.tensorboard, state.step)
+        main = self.group.is_main
+        metrics = None
+        if main:
+            metrics = MetricsLogger(
+                self.run_dir, config.log.jsonl, config.log.tensorboard, state.step
+            )
         progress = tqdm(total=total, initial=state.step, unit="step", dynamic_ncols=True,
-                        disable=not config.log.progress_bar)  # fmt: skip
+                        disable=not (config.log.progress_bar and main))  # fmt: skip
         interrupted = False
         with StopRequest() as stop:
             while state.step < total and not interrupted:
                 values = self.step()
                 progress.update(1)
-                if values is not None:
+                if values is not None and metrics is not None:
                     metrics.log(state.step, values)
                     progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
                 if self.should_sample():
-                    with self.sampling_weights():
+                    with self.sampling_weights():  # every rank samples: FSDP gathers weights
                         path, grid = write_validation_grid(
-                            config, self.setup.backbone, self.run_dir, state.step
+                            config, self.setup.backbone, self.run_dir, state.step, main
                         )
-                    metrics.log_image("samples", grid, state.step)
-                    progress.write(f"impasto: samples at step {state.step}: {path}")
-                interrupted = stop.requested
+                    if metrics is not None:
+                        metrics.log_image("samples", grid, state.step)
+                        progress.write(f"impasto: samples at step {state.step}: {path}")
+                # The ranks stop together: a signal seen by any of them stops all at this step.
+                (interrupted,) = self.group.any(stop.requested)
+                if self.sharded is not None:
+                    self.last_checkpoint = self.sharded.poll() or self.last_checkpoint
                 if self.should_save() or interrupted:
-                    self.guard.settle()
-                    header = self.setup.backbone.checkpoint_metadata()
-                    self.last_checkpoint = save_run(
-                        self.run_dir, config, state.step, self.states(), header
-                    )
+                    self.save()
+        if self.sharded is not None:
+            self.last_checkpoint = self.sharded.wait() or self.last_checkpoint
+        self.sync_counts()
         progress.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         self.guard.settle()
         report(state, time.perf_counter() - self.started, interrupted, self.last_checkpoint)
         if state.images_bad:
             print(f"impasto: the skipped images and why: {self.data.bad_data.path}")
         return TrainResult(self.run_dir, state, self.last_checkpoint, interrupted)
+
+    def save(self) -> None:
+        """Checkpoint the run: sharded through DCP in a parallel run (maybe in the background),
+        else the one-process files. Every weights file (or the sharded checkpoint's state)
+        records what model it is: the backbone's header and how the run trained it."""
+        self.guard.settle()
+        self.sync_counts()
+        config, step = self.config, self.state.step
+        if self.sharded is None:
+            header = self.setup.backbone.checkpoint_metadata()
+            self.last_checkpoint = save_run(self.run_dir, config, step, self.states(), header)
+            return
+        header = self.setup.backbone.checkpoint_metadata() | model_metadata(config)
+        saved = self.sharded.save(
+            step, self.states(sharded=True), {"config.yaml": config_text(config)},
+            {name: header for name in self.setup.trainable} | {"ema": header},
+        )  # fmt: skip
+        self.last_checkpoint = saved or self.last_checkpoint
+
+    def sync_counts(self) -> None:
+        """Add every rank's samples and unusable images since the last sync to the run's
+        counters, and (rank 0) the unusable ones to the bad-data report: collective, on
+        logging and saving steps and at the end."""
+        unsynced, self.unsynced = self.unsynced, UnsyncedCounts()
+        attempted, bad, samples = self.group.sum(unsynced.attempted, unsynced.bad, unsynced.samples)
+        self.state.samples_seen += samples
+        self.state.images_attempted += attempted
+        self.state.images_bad += bad
+        skipped = unsynced.skipped
+        if self.group.world > 1:
+            skipped = [item for part in self.group.gather(skipped) for item in part]
+        if self.group.is_main:
+            self.data.bad_data.record(skipped)
 
     def step(self) -> dict[str, float] | None:
         """One optimizer step; returns the metrics on logging steps (the only host syncs)."""
@@ -141,13 +231,19 @@ class Trainer:
         state.step += 1
         if self.setup.ema is not None:
             self.setup.ema.update(state.step)
-        state.samples_seen += num_samples
+        self.unsynced.samples += num_samples
         if state.step % config.log.every_steps and state.step != self.data.total_steps:
             return None
         self.guard.settle()
+        self.sync_counts()
+        # One all-reduce of the loss and metrics (means over the ranks), then the host reads.
+        names = list(metrics)
+        means = self.group.mean(torch.stack([loss, *(metrics[name] for name in names)]))
+        means = means.tolist()
+        (num_samples,) = self.group.sum(num_samples)  # this step's, over the ranks
         step_time = time.perf_counter() - step_start
-        values = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item()}
-        values |= {name: value.item() for name, value in metrics.items()}
+        values = {"loss": means[0], "lr": lr, "grad_norm": grad_norm.item()}
+        values |= dict(zip(names, means[1:], strict=True))
         return values | {
             "step_time": step_time,
             "samples_per_s": num_samples / step_time,
@@ -158,7 +254,7 @@ class Trainer:
     def accumulate_gradients(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
         """Forward and backward ``grad_accum_steps`` micro-batches; returns the mean loss and
         metrics (device tensors) and the number of samples."""
-        config, state = self.config, self.state
+        config, state, group = self.config, self.state, self.group
         accum = config.train.grad_accum_steps
         # Summed on the device: .item() happens only on logging steps (no per-step host sync).
         total_loss = torch.zeros((), device=self.setup.backbone.device)
@@ -166,16 +262,27 @@ class Trainer:
         num_samples = 0
         for micro in range(accum):
             batch = next(self.data.stream)
-            state.images_attempted += config.data.batch_size
-            state.images_bad += batch.num_bad
-            self.data.bad_data.record(batch.skipped)
+            self.unsynced.add(config.data.batch_size, batch.num_bad, batch.skipped)
             self.check_bad_fraction()
+            # This micro-batch is slot micro × world + rank of the step's global batch (the
+            # order the data stream hands them out in). The method draws for the whole global
+            # batch from one generator per step and keeps its rows; other randomness (dropout)
+            # comes from the global generators, seeded per slot. So the numbers a sample meets
+            # depend on (seed, step, slot) only: not on how many ranks or micro-steps share it.
+            slot = micro * group.world + group.rank
+            rows = Rows(slot, accum * group.world, config.data.batch_size)
+            torch.manual_seed(derive_seed(config.train.seed, state.step, slot, 1))
+            generator = torch.Generator().manual_seed(
+                derive_seed(config.train.seed, 0, state.step, 0)
+            )
             if batch.size == 0:
+                if group.parallel:  # the other ranks' backward would wait for this one's
+                    raise ValueError(
+                        f"data: every image of a batch on rank {group.rank} was unusable (see "
+                        f"{self.data.bad_data.path}); remove or fix the broken files"
+                    )
                 continue
-            # (seed, rank, step, micro) with rank 0 on every rank: methods draw for the global
-            # batch and keep their rows, so the draws do not depend on the number of ranks.
-            seed = derive_seed(config.train.seed, 0, state.step, micro)
-            out = self.setup.micro_step(batch, torch.Generator().manual_seed(seed), 1 / accum)
+            out = self.setup.micro_step(batch, generator, 1 / accum, rows, micro == accum - 1)
             total_loss += out.loss
             for name, value in out.metrics.items():
                 metrics[name] = metrics.get(name, 0) + value.detach() / accum
@@ -183,12 +290,15 @@ class Trainer:
         return total_loss / accum, metrics, num_samples
 
     def check_bad_fraction(self) -> None:
-        """After a full epoch's worth of images, stop if too many were unusable."""
+        """After a full epoch's worth of images (this rank's share), stop if too many were
+        unusable."""
         state, limit = self.state, self.config.data.max_bad_fraction
-        fraction = state.images_bad / max(1, state.images_attempted)
-        if state.images_attempted >= len(self.data.records) and fraction > limit:
+        bad = state.images_bad + self.unsynced.bad * self.group.world  # an estimate between syncs
+        attempted = state.images_attempted + self.unsynced.attempted * self.group.world
+        fraction = bad / max(1, attempted)
+        if attempted >= len(self.data.records) and fraction > limit:
             raise ValueError(
-                f"data: {state.images_bad} of {state.images_attempted} images were unusable "
+                f"data: {bad} of {attempted} images were unusable "
                 f"({fraction:.0%} > data.max_bad_fraction {limit}); see "
                 f"{self.data.bad_data.path}, then remove or fix the broken files"
             )
@@ -206,6 +316,27 @@ class Trainer:
     def should_save(self) -> bool:
         final = self.state.step == self.data.total_steps and self.config.checkpoint.save_final
         return final or self.state.step % self.config.checkpoint.every_steps == 0
+
+
+@dataclass
+class UnsyncedCounts:
+    """This rank's images since the counters were last summed over the ranks."""
+
+    attempted: int = 0
+    bad: int = 0
+    samples: int = 0  # trained on
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def add(self, attempted: int, bad: int, skipped: list[Skipped]) -> None:
+        self.attempted += attempted
+        self.bad += bad
+        self.skipped.extend(skipped)
+
+
+def run_device_of(config: Config) -> torch.device:
+    from impasto.precision import resolve_device
+
+    return resolve_device(config.train.device)
 
 
 def report(state: TrainState, elapsed: float, interrupted: bool, checkpoint: Path | None) -> None:

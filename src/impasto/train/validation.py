@@ -40,14 +40,16 @@ def grid_columns(num_prompts: int, images_per_prompt: int) -> int:
 
 
 def write_validation_grid(
-    config: Config, backbone: Backbone, run_dir: Path, step: int
+    config: Config, backbone: Backbone, run_dir: Path, step: int, save: bool = True
 ) -> tuple[Path, Tensor]:
-    """Render the grid and save it as ``RUN/samples/step-XXXXXXXX.png``; returns (path, CHW)."""
+    """Render the grid and save it as ``RUN/samples/step-XXXXXXXX.png``; returns (path, CHW).
+    ``save``: write the file (rank 0 of a parallel run; every rank renders, in lockstep)."""
     images = sample_grid(config, backbone)
     columns = grid_columns(len(config.sample.prompts), config.sample.images_per_prompt)
     grid = make_grid(images, nrow=columns)
     path = run_dir / "samples" / f"step-{step:08d}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
+    if save:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        grid.save(path)
     chw = torch.from_numpy(np.asarray(grid).copy()).permute(2, 0, 1)
     return path, chw.float() / 255.0

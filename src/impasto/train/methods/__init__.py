@@ -54,13 +54,41 @@ class MethodContext:
     world: int = 1
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Where a micro-batch sits in its optimizer step's global batch: ``slots`` micro-batches
+    of ``batch_size`` rows (grad accumulation × ranks), this one slot ``slot``
+    (``micro * world + rank``, the order the data stream hands them out in).
+
+    A method draws its randomness for the whole global batch from the step's generator and
+    keeps its rows, so a sample's noise and time do not depend on how the step is split:
+    2 ranks × batch 2, 1 rank × batch 4 and 1 rank × batch 2 × 2 accumulation draw alike."""
+
+    slot: int = 0
+    slots: int = 1
+    batch_size: int = 0  # per micro-batch, as configured
+
+    def span(self, rows: int) -> tuple[slice, int]:
+        """(this micro-batch's rows of the global draw, the global draw's length) for ``rows``
+        rows here (fewer than ``batch_size`` when unreadable images were dropped)."""
+        if self.slots == 1:
+            return slice(0, rows), rows
+        start = self.slot * self.batch_size
+        return slice(start, start + rows), self.slots * self.batch_size
+
+
+WHOLE_STEP = Rows()
+"""A micro-batch that is its step's whole global batch (one process, no accumulation)."""
+
+
 class Method(Protocol):
     """A training method (see the module docstring)."""
 
     needs: DataNeeds
 
-    def step(self, batch: Batch, generator: torch.Generator) -> StepOutput:
-        """The loss of one micro-batch; every random draw comes from ``generator``."""
+    def step(self, batch: Batch, generator: torch.Generator, rows: Rows = WHOLE_STEP) -> StepOutput:
+        """The loss of one micro-batch; every random draw comes from ``generator``, made for
+        the step's global batch (``rows``: this micro-batch's place in it)."""
 
 
 MethodBuilder = Callable[[MethodContext], Method]
@@ -85,6 +113,8 @@ __all__ = [
     "DataNeeds",
     "Method",
     "MethodContext",
+    "WHOLE_STEP",
+    "Rows",
     "StepOutput",
     "build_method",
     "register_method",

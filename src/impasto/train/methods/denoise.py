@@ -19,27 +19,14 @@ from impasto.data import Batch
 from impasto.models.backbone import Backbone
 from impasto.objectives.objective import Objective
 from impasto.train.memo import EncodingMemo
-from impasto.train.methods import DataNeeds, MethodContext, StepOutput, register_method
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Where a rank's micro-batch sits in the step's global batch (ranks in order, ``batch_size``
-    rows each). Random draws are made for the global batch and sliced, so a sample's posterior
-    noise, noise and time do not depend on how many ranks share the step: 2 ranks × batch 2
-    draw exactly what 1 rank × batch 4 draws. One process draws only its own rows, as always."""
-
-    rank: int = 0
-    world: int = 1
-    batch_size: int = 0  # per rank, as configured
-
-    def span(self, rows: int) -> tuple[slice, int]:
-        """(this rank's rows of the global draw, the global draw's length) for ``rows`` rows
-        here (fewer than ``batch_size`` when unreadable images were dropped)."""
-        if self.world == 1:
-            return slice(0, rows), rows
-        start = self.rank * self.batch_size
-        return slice(start, start + rows), self.world * self.batch_size
+from impasto.train.methods import (
+    WHOLE_STEP,
+    DataNeeds,
+    MethodContext,
+    Rows,
+    StepOutput,
+    register_method,
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +44,7 @@ def denoising_loss(
     autocast: Callable[[], AbstractContextManager],
     memo: EncodingMemo | None = None,
     train_text: bool = False,
-    rows: Rows = Rows(),
+    rows: Rows = WHOLE_STEP,
 ) -> DenoiseOutput:
     """The loss of one micro-batch. Randomness (posterior sample, noise, t) comes from
     ``generator``, which lives on the CPU so a run draws the same numbers on any device, and
@@ -107,16 +94,15 @@ class DenoiseMethod:
         self.objective = Objective.from_config(context.config.objective)
         self.memo = EncodingMemo.from_config(context.config)
         self.autocast = context.autocast
-        self.rows = Rows(context.rank, context.world, context.config.data.batch_size)
         # Encode captions with gradients when a part other than the denoiser (a text encoder)
         # trains.
         parts, denoiser = context.backbone.parts(), context.backbone.denoiser()
         self.train_text = any(parts[name] is not denoiser for name in context.trained_parts)
 
-    def step(self, batch: Batch, generator: torch.Generator) -> StepOutput:
+    def step(self, batch: Batch, generator: torch.Generator, rows: Rows = WHOLE_STEP) -> StepOutput:
         out = denoising_loss(
             self.backbone, self.objective, batch, generator, self.autocast, self.memo,
-            train_text=self.train_text, rows=self.rows,
+            train_text=self.train_text, rows=rows,
         )  # fmt: skip
         return StepOutput(out.loss)
 
