@@ -1,15 +1,27 @@
 """``impasto bench``: the report's FLOP count, rows and CLI (speed itself is measured in
-benchmarks/RESULTS.md, never asserted in tests)."""
+benchmarks/RESULTS.md, never asserted in tests); ``--parallel`` on 2 CPU processes (gloo)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from impasto.bench import ImpastoStep, bench_config, run_bench, synthetic_batch
+from impasto.bench import (
+    ImpastoStep,
+    ParallelRequest,
+    bench_config,
+    bench_rank,
+    format_report,
+    run_bench,
+    synthetic_batch,
+)
 from impasto.cli import main
 from impasto.models.presets import build_tiny
 
@@ -53,3 +65,58 @@ def test_cli_json_and_errors(capsys) -> None:
     assert report["model"] == "tiny" and report["resolution"] == 64
     assert main(["bench", "--variants", "turbo"]) == 2
     assert "unknown variant 'turbo'" in capsys.readouterr().err
+
+
+def test_a_parallel_rank_reports_baseline_and_scaling_in_one_process() -> None:
+    """:func:`bench_rank` outside torchrun: a group of one (so the test needs no launch)."""
+    report = bench_rank(ParallelRequest("fsdp", "tiny", 64, 2, 2, 0, 1, "auto", "cpu"))
+    assert (report["strategy"], report["world"]) == ("fsdp", 1)
+    assert report["threads"] == torch.get_num_threads()  # one rank: left as it was
+    (row,) = report["rows"]
+    assert row["name"] == "default" and row["peak_memory_gib"] is None
+    assert row["baseline_min_ms"] <= row["baseline_step_ms"] <= row["baseline_max_ms"]
+    assert row["min_ms"] <= row["step_ms"] <= row["max_ms"]
+    assert row["samples_per_s"] == pytest.approx(2e3 / row["step_ms"])
+    assert row["speedup"] == pytest.approx(row["samples_per_s"] / row["baseline_samples_per_s"])
+    assert row["efficiency"] == pytest.approx(row["speedup"])  # world 1
+    assert "strategy fsdp, world 1" in format_report(report)
+
+
+@pytest.mark.slow  # a launch of 2 processes: 15-60 s on 2 cores
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_cli_parallel_launches_two_cpu_ranks(strategy: str) -> None:
+    command = [sys.executable, "-m", "impasto", "bench", "--model", "tiny", "--parallel",
+               strategy, "--nproc", "2", "--steps", "2", "--warmup", "1"]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    header = re.search(r"strategy (\w+), world (\d+)", done.stdout)
+    assert header and header.groups() == (strategy, "2"), done.stdout
+    number = r"\s+([\d.]+)"
+    rows = {
+        match[1]: [float(value) for value in match.groups()[1:]]
+        for match in re.finditer(rf"^default\s+(\S+ ×\d+){number * 6}%", done.stdout, re.M)
+    }
+    base, parallel = rows["none ×1"], rows[f"{strategy} ×2"]
+    step_ms, low, high, samples_per_s, speedup, efficiency = parallel
+    assert base[3] > 0 and samples_per_s > 0 and speedup > 0 and efficiency > 0
+    assert low <= step_ms <= high
+    assert samples_per_s == pytest.approx(2 * 2 * 1e3 / step_ms, rel=0.01)  # batch 2 × world 2
+    assert speedup == pytest.approx(samples_per_s / base[3], rel=0.01)
+    assert efficiency == pytest.approx(100 * speedup / 2, abs=0.1)
+
+
+def test_cli_parallel_errors(capsys, monkeypatch) -> None:
+    assert main(["bench", "--parallel", "zero"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown --parallel 'zero'; valid: ddp, fsdp" in err
+    assert main(["bench", "--parallel", "ddp", "--nproc", "0"]) == 2
+    assert "--nproc 0; use 1 or more" in capsys.readouterr().err
+    assert main(["bench", "--set", "parallel.strategy=ddp"]) == 2
+    assert "choose the strategy with --parallel" in capsys.readouterr().err
+    assert main(["bench", "--parallel", "ddp", "--variants", "fused"]) == 2
+    assert "memory.fused_backward steps each weight" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["bench", "--parallel", "ddp", "--nproc", "4"]) == 2
+    assert "--nproc 4 but torchrun started 2 processes" in capsys.readouterr().err

@@ -81,8 +81,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         variants=args.variants,
         device=args.device,
         overrides=args.set or [],
+        parallel=args.parallel,
+        nproc=args.nproc,
     )
-    print(json.dumps(report) if args.json else format_report(report))
+    if report is not None:  # None: a rank other than 0 of a parallel bench
+        print(json.dumps(report) if args.json else format_report(report))
     return 0
 
 
@@ -267,6 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument(
+        "--parallel",
+        default="none",
+        metavar="{ddp,fsdp}",
+        help="time the step on several processes (all visible GPUs; CPU: gloo) against one",
+    )
+    bench.add_argument(
+        "--nproc", type=int, help="processes for --parallel (default: the GPU count, 2 on CPU)"
+    )
     bench.set_defaults(func=cmd_bench)
     return parser
 
