@@ -173,7 +173,9 @@ def test_resume_on_another_number_of_ranks(runs, run):
     continued run equals an uninterrupted one-process run."""
     checkpoints = sorted((runs / run / "checkpoints").iterdir())
     assert all(is_sharded(path) for path in checkpoints)
-    assert len(list(checkpoints[0].glob("__*_0.distcp"))) in (1, 2)
+    saved_by = {"down": 2, "up": 1}[run]  # step 3: written by 2 ranks (down), by 1 (up)
+    assert checkpoints[0].name == "step-00000003"
+    assert len(list(checkpoints[0].glob("__*_0.distcp"))) == saved_by
     assert_same_training(runs / run, runs / "one-accum")
 
 
@@ -278,5 +280,4 @@ def test_ranks_with_different_configs_stop_with_one_line(runs, tmp_path):
     errors = [line for line in done.stderr.splitlines() if "impasto: error:" in line]
     # Each rank prints it, unless torchrun stopped the slower one first (the job failed).
     assert 1 <= len(errors) <= 2 and all("ranks disagree on the config" in e for e in errors)
-    assert "Traceback" not in "".join(line for line in done.stderr.splitlines()
-                                      if line.startswith("[rank"))  # fmt: skip
+    assert not (tmp_path / "odd" / "checkpoints").exists()  # stopped before any step
