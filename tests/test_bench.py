@@ -13,15 +13,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from impasto.bench import (
-    ImpastoStep,
-    ParallelRequest,
-    bench_config,
-    bench_rank,
-    format_report,
-    run_bench,
-    synthetic_batch,
-)
+from impasto.bench import format_report, run_bench
+from impasto.bench_parallel import ParallelRequest, bench_rank
+from impasto.bench_step import ImpastoStep, bench_config, synthetic_batch
 from impasto.cli import main
 from impasto.models.presets import build_tiny
 
