@@ -10,6 +10,7 @@ step on the job's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): a crash mid-
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from impasto.config import build_config
+from impasto.distributed import init_torchrun_group
 from impasto.train import train
 from impasto.train.trainer import Trainer
 
@@ -47,7 +49,7 @@ def main(plan_file: str) -> None:
     plan = json.loads(open(plan_file, encoding="utf-8").read())
     launched = "RANK" in os.environ  # by torchrun (else one process: train() makes its group)
     if launched:
-        dist.init_process_group("gloo")
+        init_torchrun_group("gloo", datetime.timedelta(seconds=120))
     try:
         for run in plan:
             train(build_config(run["config"]), resume=run.get("resume", True))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -108,15 +107,11 @@ class RunGroup:
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (picklable), in rank order, on every rank."""
-        if self.world == 1:
-            return [value]
-        gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, value)
-        return gathered
+        return gather_to_all(value) if self.world > 1 else [value]
 
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier()
+            barrier()
 
     def agree(self, what: str, value: Any, fix: str) -> None:
         """A one-line error on every rank when the ranks hold different ``value``s."""
@@ -169,7 +164,7 @@ def run_group(strategy: str, device_option: str, timeout_s: int = 1800,
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timeout, device_id=_device_id(device))
+            init_torchrun_group(backend, timeout, _device_id(device))
         else:  # one process started without torchrun
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -186,6 +181,27 @@ def run_group(strategy: str, device_option: str, timeout_s: int = 1800,
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def init_torchrun_group(
+    backend: str, timeout: datetime.timedelta, device_id: torch.device | None = None
+) -> None:
+    """Join the process group of this torchrun attempt.
+
+    Through a store prefixed with the attempt (``TORCHELASTIC_RESTART_COUNT``): with the plain
+    ``env://`` store, workers restarted after a rank died (``--max-restarts``) read the gloo
+    addresses the previous attempt's ranks published and fail to connect (torch 2.15)."""
+    rank, world = rank_and_world()
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=rank == 0 and not agent_hosts_store, timeout=timeout,
+    )  # fmt: skip
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"/impasto/attempt_{attempt}", base)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
+    )
 
 
 def _device_id(device: torch.device) -> torch.device | None:
@@ -209,10 +225,3 @@ def device_mesh(strategy: str, device: torch.device, world: int,
     return init_device_mesh(
         device.type, (world // size, size), mesh_dim_names=("replicate", "shard")
     )
-
-
-def say(*args: Any) -> None:
-    """Print on rank 0 only (other ranks' stdout is already silenced inside :func:`run_group`;
-    this also works outside it)."""
-    if rank_and_world()[0] == 0:
-        print(*args, file=sys.stdout)
