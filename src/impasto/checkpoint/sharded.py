@@ -43,7 +43,7 @@ from impasto.checkpoint.state import (
     list_checkpoints,
     remove_partial_checkpoints,
 )
-from impasto.checkpoint.stateful import FORMAT, Stateful, is_json
+from impasto.checkpoint.stateful import FORMAT, Stateful, is_json, load_saved
 from impasto.distributed import RunGroup
 
 LAYOUT = "sharded"
@@ -172,13 +172,12 @@ def load_sharded(path: Path, states: dict[str, Stateful]) -> None:
 
     state = read_json_state(path)
     saved = dcp_keys(path)
-    distributed = {}
-    for name, stateful in states.items():
-        if name in state:
-            continue
-        if name not in saved:
-            raise missing_entry(path, name)
-        distributed[name] = stateful.state_dict()
+    # DCP loads in place: into each entry's current state (this rank's shards).
+    distributed = {
+        name: stateful.state_dict()
+        for name, stateful in states.items()
+        if name not in state and name in saved
+    }
     try:
         dcp.load(distributed, checkpoint_id=str(path))
     except (RuntimeError, ValueError, KeyError, OSError) as error:
@@ -186,18 +185,7 @@ def load_sharded(path: Path, states: dict[str, Stateful]) -> None:
             f"checkpoint {path}: the sharded state does not fit this run "
             f"({one_line(error)}); restore the config it was written with, or use --no-resume"
         ) from None
-    for name, stateful in states.items():
-        try:
-            stateful.load_state_dict(state[name] if name in state else distributed[name])
-        except ValueError as error:
-            raise ValueError(f"checkpoint {path}: {error}") from None
-
-
-def missing_entry(path: Path, name: str) -> ValueError:
-    return ValueError(
-        f"checkpoint {path}: no {name!r} state (it was written without it: was the config "
-        "changed, e.g. ema.enabled or parts.*?); restore the config or use --no-resume"
-    )
+    load_saved(path, states, {**state, **distributed})
 
 
 def one_line(error: BaseException) -> str:

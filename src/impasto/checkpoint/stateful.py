@@ -17,6 +17,7 @@ sharded save plugs in here later.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -79,9 +80,13 @@ def read_states(path: Path) -> dict[str, Any]:
 
 
 def load_states(path: Path, states: dict[str, Stateful]) -> None:
-    """Load the checkpoint at ``path`` into ``states``, in their order. A missing entry is a
-    one-line error naming it."""
-    saved = read_states(path)
+    """Load the checkpoint at ``path`` into ``states``, in their order."""
+    load_saved(path, states, read_states(path))
+
+
+def load_saved(path: Path, states: dict[str, Stateful], saved: Mapping[str, Any]) -> None:
+    """Load each entry of ``saved`` (read from the checkpoint at ``path``) into ``states``, in
+    their order. A missing entry is a one-line error naming it."""
     for name, stateful in states.items():
         if name not in saved:
             raise ValueError(

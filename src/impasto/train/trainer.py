@@ -27,7 +27,7 @@ from impasto.data.dataset import Skipped
 from impasto.data.pipeline import prepare_run_data
 from impasto.distributed import RunGroup, run_group
 from impasto.logging import MetricsLogger
-from impasto.precision import resolve_precision
+from impasto.precision import resolve_device, resolve_precision
 from impasto.train.methods import DataNeeds, Rows
 from impasto.train.nonfinite import NonFiniteGuard
 from impasto.train.optim import LRSchedule
@@ -77,7 +77,7 @@ class Trainer:
     def __init__(self, config: Config, resume: bool, group: RunGroup | None = None) -> None:
         self.started = time.perf_counter()
         self.config = config
-        self.group = group = group or RunGroup(device=run_device_of(config))
+        self.group = group = group or RunGroup(device=resolve_device(config.train.device))
         self.run_dir = prepare_run_dir(config, resume, group.is_main)
         group.barrier()
         group.agree(
@@ -215,7 +215,7 @@ class Trainer:
         self.state.images_attempted += attempted
         self.state.images_bad += bad
         skipped = unsynced.skipped
-        if self.group.world > 1:
+        if bad and self.group.world > 1:  # (bad is the sum: every rank gathers, or none)
             skipped = [item for part in self.group.gather(skipped) for item in part]
         if self.group.is_main:
             self.data.bad_data.record(skipped)
@@ -260,6 +260,7 @@ class Trainer:
         total_loss = torch.zeros((), device=self.setup.backbone.device)
         metrics: dict[str, torch.Tensor] = {}
         num_samples = 0
+        step_seed = derive_seed(config.train.seed, 0, state.step, 0)  # the method's draws
         for micro in range(accum):
             batch = next(self.data.stream)
             self.unsynced.add(config.data.batch_size, batch.num_bad, batch.skipped)
@@ -269,12 +270,6 @@ class Trainer:
             # batch from one generator per step and keeps its rows; other randomness (dropout)
             # comes from the global generators, seeded per slot. So the numbers a sample meets
             # depend on (seed, step, slot) only: not on how many ranks or micro-steps share it.
-            slot = micro * group.world + group.rank
-            rows = Rows(slot, accum * group.world, config.data.batch_size)
-            torch.manual_seed(derive_seed(config.train.seed, state.step, slot, 1))
-            generator = torch.Generator().manual_seed(
-                derive_seed(config.train.seed, 0, state.step, 0)
-            )
             if batch.size == 0:
                 if group.parallel:  # the other ranks' backward would wait for this one's
                     raise ValueError(
@@ -282,6 +277,10 @@ class Trainer:
                         f"{self.data.bad_data.path}); remove or fix the broken files"
                     )
                 continue
+            slot = micro * group.world + group.rank
+            rows = Rows(slot, accum * group.world, config.data.batch_size)
+            torch.manual_seed(derive_seed(config.train.seed, state.step, slot, 1))
+            generator = torch.Generator().manual_seed(step_seed)
             out = self.setup.micro_step(batch, generator, 1 / accum, rows, micro == accum - 1)
             total_loss += out.loss
             for name, value in out.metrics.items():
@@ -331,12 +330,6 @@ class UnsyncedCounts:
         self.attempted += attempted
         self.bad += bad
         self.skipped.extend(skipped)
-
-
-def run_device_of(config: Config) -> torch.device:
-    from impasto.precision import resolve_device
-
-    return resolve_device(config.train.device)
 
 
 def report(state: TrainState, elapsed: float, interrupted: bool, checkpoint: Path | None) -> None:
