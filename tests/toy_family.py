@@ -8,6 +8,7 @@ over a fixed 8× average-pooling "autoencoder". ``X0Method``: plain x0-MSE denoi
 
 from __future__ import annotations
 
+import copy
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,11 @@ class ToyBackbone:
     def denoiser(self) -> nn.Module:
         return self.nets["unet"]
 
+    def with_denoiser(self, denoiser: nn.Module) -> ToyBackbone:
+        other = copy.copy(self)
+        other.nets = {**self.nets, "unet": denoiser}
+        return other
+
     @property
     def device(self) -> torch.device:
         return self.nets["unet"].up.weight.device
@@ -125,8 +131,12 @@ class ToyBackbone:
         return sample * 2.0
 
     def decode_latents(self, latents: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.decode_images(latents).cpu()
+
+    def decode_images(self, latents: Tensor, checkpointing: bool = False) -> Tensor:
         pixels = F.interpolate(latents.float() / 2.0, scale_factor=FACTOR)
-        return (pixels / 2 + 0.5).clamp(0, 1).cpu()
+        return (pixels / 2 + 0.5).clamp(0, 1)
 
     def latent_format(self) -> tuple[int, int]:
         return 3, FACTOR

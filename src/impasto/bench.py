@@ -40,10 +40,10 @@ from impasto.bench_step import (
     sync_device,
     synthetic_batch,
 )
+from impasto.checkpoint.trained import build_starting_backbone
 from impasto.config import Config
 from impasto.data import Batch
 from impasto.models import add_time_ids
-from impasto.models.backbone import build_backbone
 from impasto.precision import autocast_factory, resolve_device, resolve_precision
 from impasto.train.checks import check_config
 
@@ -81,7 +81,7 @@ class DiffusersStep:
 
     def __init__(self, config: Config, device: torch.device) -> None:
         self.device = device
-        self.unet = build_backbone(config).denoiser().to(device).train()
+        self.unet = build_starting_backbone(config).denoiser().to(device).train()
         self.optimizer = torch.optim.AdamW(self.unet.parameters(), lr=config.optim.lr)
         self.scheduler = DDPMScheduler(
             beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012

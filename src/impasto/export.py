@@ -23,17 +23,15 @@ import peft
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusionXLPipeline
 from diffusers.utils import convert_state_dict_to_diffusers
-from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from impasto.checkpoint.trained import load_trained, model_metadata
 from impasto.config import Config
 from impasto.models import SDXLComponents
 from impasto.models.io import save_diffusers, sdxl_scheduler
 from impasto.models.lora_kohya import merge_kohya, to_kohya
-from impasto.models.parts import ADAPTER_NAME
+from impasto.models.parts import ADAPTER_NAME, merge_adapters
 from impasto.models.sdxl import PART_NAMES as PARTS
 from impasto.models.single_file import save_single_file
 
@@ -76,16 +74,6 @@ def scheduler_for(config: Config):
 
 def adapter_parts(config: Config) -> list[str]:
     return [name for name in PARTS if getattr(config.parts, name) == "lora"]
-
-
-def merge_adapters(module: nn.Module) -> None:
-    """Fold every peft adapter of ``module`` into its base layer and drop the adapter, in place."""
-    for name, child in list(module.named_modules()):
-        if isinstance(child, BaseTunerLayer):
-            child.merge(safe_merge=True)
-            parent_name, _, attribute = name.rpartition(".")
-            parent = module.get_submodule(parent_name) if parent_name else module
-            setattr(parent, attribute, child.get_base_layer())
 
 
 def sdxl_trained(checkpoint: str | Path, ema: bool = False) -> tuple[Config, SDXLComponents]:

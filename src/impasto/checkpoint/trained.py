@@ -75,6 +75,33 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return newest
 
 
+def is_run_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is an impasto checkpoint or a run directory with checkpoints."""
+    path = Path(path)
+    return (path / STATE_FILE).is_file() or (path / "checkpoints").is_dir()
+
+
+def build_starting_backbone(config: Config) -> Backbone:
+    """The model a run starts from: ``config.model``'s (a preset, a diffusers folder, a single
+    file), or, when ``model.path`` is an impasto checkpoint or run directory, that checkpoint's
+    trained model (its newest checkpoint) with any adapters merged into the weights, so a run
+    can fine-tune (or reward-tune) the result of another."""
+    from impasto.models.parts import merge_adapters
+
+    path = config.model.path
+    if path is None or not is_run_checkpoint(path):
+        return build_backbone(config)
+    source, backbone = load_trained(path)
+    if source.model.family != config.model.family:
+        raise ValueError(
+            f"model.path {path} holds a model.family {source.model.family!r} run; set "
+            f"model.family: {source.model.family}"
+        )
+    for module in backbone.parts().values():
+        merge_adapters(module)
+    return backbone
+
+
 def load_trained(path: str | Path, ema: bool = False) -> tuple[Config, Backbone]:
     """The config and the backbone, with the trained parts, of a checkpoint or run directory.
 
@@ -89,7 +116,7 @@ def load_trained(path: str | Path, ema: bool = False) -> tuple[Config, Backbone]
     if not config_file.is_file():
         raise ValueError(f"checkpoint {checkpoint}: no config.yaml; it was not written by impasto")
     config = build_config(yaml.safe_load(config_file.read_text(encoding="utf-8")))
-    backbone = build_backbone(config)
+    backbone = build_starting_backbone(config)
     parts = prepare_parts(config, backbone)
     tensors = read_weights(checkpoint, set(parts))
     load_part_weights(parts, tensors, f"checkpoint {checkpoint}")

@@ -51,6 +51,11 @@ class DataConfig(Section):
 
     source: SourceKind = "folder"
     path: str | None = None
+    prompts: str | None = Field(
+        None,
+        description="a prompt file instead of images, for methods that generate (draftp): "
+        ".txt (one prompt per line) or .jsonl (a prompt, caption or text field per line)",
+    )
     subfolders: dict[str, SubfolderConfig] = Field(
         default_factory=dict, description="folder: top-level subfolder → repeats and weight"
     )
@@ -112,8 +117,12 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_way_to_name_the_data(self) -> DataConfig:
-        if (self.path is None) == (not self.sources):
-            raise ValueError("set exactly one of path (one source) and sources (several)")
+        named = [self.path is not None, bool(self.sources), self.prompts is not None]
+        if sum(named) != 1:
+            raise ValueError(
+                "set exactly one of path (one source), sources (several) and prompts (a prompt "
+                "file, for draftp)"
+            )
         if self.generate_demo and self.path is None:
             raise ValueError("generate_demo writes the demo dataset to path; set path")
         self.source_list()  # a single source's checks now
@@ -124,6 +133,8 @@ class DataConfig(Section):
         describe."""
         if self.sources:
             return list(self.sources)
+        if self.prompts is not None:
+            return []
         return [SourceConfig(source=self.source, path=self.path, subfolders=self.subfolders)]
 
     @model_validator(mode="after")

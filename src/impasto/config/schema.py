@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from impasto.config.data import CacheConfig, DataConfig
+from impasto.config.draftp import DraftpConfig, RewardConfig
 from impasto.config.section import Section
 
 CONFIG_VERSION = 1
@@ -405,6 +406,8 @@ class Config(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    draftp: DraftpConfig = Field(default_factory=DraftpConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
 
     @model_validator(mode="after")
     def _memory_options_fit(self) -> Config:
@@ -468,6 +471,18 @@ class Config(Section):
                 f"ema.device: cpu keeps full copies on the host, but parallel.strategy {strategy} "
                 "shards the EMA like its weights; set ema.device: same"
             )
+
+    @model_validator(mode="after")
+    def _draftp_trains_the_denoiser(self) -> Config:
+        parts = self.parts
+        text_trains = parts.text_encoder != "frozen" or parts.text_encoder_2 != "frozen"
+        if self.objective.method == "draftp" and text_trains:
+            raise ValueError(
+                "objective.method draftp fine-tunes the denoiser (its KL leash compares it with "
+                "the base at the same text encoding); set parts.text_encoder and "
+                "parts.text_encoder_2: frozen"
+            )
+        return self
 
     @model_validator(mode="after")
     def _cache_fits_the_parts(self) -> Config:

@@ -25,10 +25,10 @@ from impasto.data.captions import caption_tools_from, tag_frequency_weights
 from impasto.data.dataset import Skipped
 from impasto.data.demo import write_demo_dataset
 from impasto.data.folder import read_manifest
+from impasto.data.prompts import read_prompts
 from impasto.data.sampler import ResumableBatchSampler
 from impasto.data.sources import hf_dataset_records, parquet_records, webdataset_records
 from impasto.distributed import RunGroup, barrier, process_group
-from impasto.models.backbone import build_backbone
 from impasto.precision import autocast_factory, resolve_device, resolve_precision
 
 Bucket = tuple[int, int]
@@ -46,6 +46,8 @@ def load_records(config: Any, main: bool = True) -> list[ImageRecord]:
         )
         print(f"impasto: wrote {count} demo images to {data.path}")
     barrier()
+    if data.prompts is not None:
+        return read_prompts(data.prompts)
     records = []
     for source in data.source_list():
         found = SOURCE_READERS[source.source](source, shard_index_dir(config))
@@ -351,7 +353,9 @@ def cache_data(config: Any) -> CacheReport:
         precision = resolve_precision(config.train.mixed_precision, device)
         records, image_ids = identify_images(config, load_records(config, rank == 0), rank, world)
         bucket_of = place_in_buckets(config, records, None)
-        backbone = build_backbone(config).to(device)
+        from impasto.checkpoint.trained import build_starting_backbone
+
+        backbone = build_starting_backbone(config).to(device)
         for module in backbone.modules().values():
             module.eval()
         _, report = fill_cache(

@@ -55,8 +55,8 @@ class MetricsLogger:
             self._jsonl.flush()
         if self._writer is not None:
             for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self._writer.add_scalar(f"train/{key}", value, step)
+                if isinstance(value, (int, float)):  # "val/reward" keeps its own group
+                    self._writer.add_scalar(key if "/" in key else f"train/{key}", value, step)
 
     def log_image(self, tag: str, image: Tensor, step: int) -> None:
         """A ``[3, H, W]`` image in [0, 1] to TensorBoard (the PNG file is the caller's)."""

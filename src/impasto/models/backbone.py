@@ -72,6 +72,11 @@ class Backbone(Protocol):
     def denoiser(self) -> nn.Module:
         """The network that predicts from x_t (the module blocks() belong to)."""
 
+    def with_denoiser(self, denoiser: nn.Module) -> Backbone:
+        """A backbone whose denoiser is ``denoiser`` and whose other networks are this one's
+        (shared, not copied): a frozen copy of the starting model, for reward fine-tuning's
+        KL leash and annealed sampling."""
+
     def unused_parameters(self, part: str) -> tuple[str, ...]:
         """Name prefixes of ``part``'s parameters the family never reads (kept frozen, so
         every trainable parameter gets a gradient, as DDP needs)."""
@@ -88,6 +93,11 @@ class Backbone(Protocol):
     def decode_latents(self, latents: Tensor) -> Tensor:
         """Latents → images ``[B, 3, H, W]`` in [0, 1], float32 on the CPU (the inverse map of
         ``encode_latents``, then the decoder)."""
+
+    def decode_images(self, latents: Tensor, checkpointing: bool = False) -> Tensor:
+        """Latents → images ``[B, 3, H, W]`` in [0, 1], float32 on the decoder's device, with
+        gradients flowing to ``latents`` through the frozen decoder (reward fine-tuning);
+        ``checkpointing``: recompute the decoder's activations in backward."""
 
     def latent_format(self) -> tuple[int, int]:
         """(latent channels, the autoencoder's downsampling factor)."""

@@ -13,11 +13,13 @@ parameter then receives a gradient, which DDP requires (no ``find_unused_paramet
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import peft
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
@@ -81,6 +83,40 @@ class Part:
         if not result.missing_keys and not result.unexpected_keys:
             peft.set_peft_model_state_dict(self.module, state, adapter_name=ADAPTER_NAME)
         return result
+
+
+def has_adapters(module: nn.Module) -> bool:
+    """Whether peft adapters (LoRA, DoRA, LoHa, LoKr) are injected in ``module``."""
+    return any(isinstance(child, BaseTunerLayer) for child in module.modules())
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module) -> Iterator[None]:
+    """``module`` computes as its base model inside the block: every adapter layer passes its
+    input to the base layer only (peft's ``disable_adapter``, for injected adapters). Which
+    parameters require gradients is left as it was (peft's switch would change it)."""
+    layers = [child for child in module.modules() if isinstance(child, BaseTunerLayer)]
+    enabled = [not layer.disable_adapters for layer in layers]
+    flags = [(param, param.requires_grad) for layer in layers for param in layer.parameters()]
+    try:
+        for layer in layers:
+            layer.enable_adapters(False)
+        yield
+    finally:
+        for layer, was_enabled in zip(layers, enabled, strict=True):
+            layer.enable_adapters(was_enabled)
+        for param, requires_grad in flags:
+            param.requires_grad_(requires_grad)
+
+
+def merge_adapters(module: nn.Module) -> None:
+    """Fold every peft adapter of ``module`` into its base layer and drop the adapter, in place."""
+    for name, child in list(module.named_modules()):
+        if isinstance(child, BaseTunerLayer):
+            child.merge(safe_merge=True)
+            parent_name, _, attribute = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attribute, child.get_base_layer())
 
 
 def _mode(config: Config, part: str) -> str:

@@ -8,7 +8,7 @@ stock pipeline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -93,6 +93,9 @@ class SDXLBackbone:
     def denoiser(self) -> nn.Module:
         return self.components.unet
 
+    def with_denoiser(self, denoiser: nn.Module) -> SDXLBackbone:
+        return SDXLBackbone(replace(self.components, unet=denoiser))
+
     @property
     def device(self) -> torch.device:
         return self.components.unet.device
@@ -150,19 +153,28 @@ class SDXLBackbone:
 
     def decode_latents(self, latents: Tensor) -> Tensor:
         """One image at a time: decoding is the peak-memory step at SDXL resolutions."""
-        vae = self.components.vae
-        scale = float(vae.config.scaling_factor)
-        images = []
         with torch.no_grad():
-            for latent in latents.to(device=vae.device, dtype=vae.dtype).split(1):
-                stats = self._latent_stats(latent)
-                if stats is None:
-                    latent = latent / scale
-                else:
-                    latent = latent * stats[1] / scale + stats[0]
-                image = vae.decode(latent).sample.float()
-                images.append((image / 2 + 0.5).clamp(0, 1).cpu())
-        return torch.cat(images)
+            return torch.cat([self.decode_images(latent).cpu() for latent in latents.split(1)])
+
+    def decode_images(self, latents: Tensor, checkpointing: bool = False) -> Tensor:
+        """The inverse of :meth:`encode_latents`, then the decoder; [-1, 1] → [0, 1] clamped
+        (as the pipeline and NeMo-Aligner's DRaFT+). ``checkpointing``: diffusers' per-block
+        gradient checkpointing of the decoder."""
+        vae = self.components.vae
+        if checkpointing != vae.decoder.gradient_checkpointing:
+            if checkpointing:
+                vae.enable_gradient_checkpointing()
+            else:
+                vae.disable_gradient_checkpointing()
+        scale = float(vae.config.scaling_factor)
+        latents = latents.to(device=vae.device, dtype=vae.dtype)
+        stats = self._latent_stats(latents)
+        if stats is None:
+            latents = latents / scale
+        else:
+            latents = latents * stats[1] / scale + stats[0]
+        image = vae.decode(latents).sample.float()
+        return (image / 2 + 0.5).clamp(0, 1)
 
     def latent_format(self) -> tuple[int, int]:
         config = self.components.vae.config

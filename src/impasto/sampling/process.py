@@ -57,6 +57,9 @@ class SamplingPlan:
     noise_scale: float  # the std of the initial state, in units of ε
     make_denoiser: DenoiserFactory
     to_latents: Callable[[Tensor], Tensor]  # the final state → VP latents
+    # (x0, level, ε) → the sampler's state at ``level`` (a σ of the ladder; flow: t), for
+    # re-noising a sample to a step of the ladder (DRaFT-LV)
+    noised: Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def ve_to_vp(x: Tensor, sigma: Tensor) -> Tensor:
@@ -66,6 +69,16 @@ def ve_to_vp(x: Tensor, sigma: Tensor) -> Tensor:
 
 def _unchanged(x: Tensor) -> Tensor:
     return x
+
+
+def ve_noised(x0: Tensor, sigma: Tensor, noise: Tensor) -> Tensor:
+    """x0 + σ·ε: the VE state at level σ (Karras et al. 2022, eq. 1 with s(t) = 1)."""
+    return x0 + sigma * noise
+
+
+def flow_noised(x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
+    """(1 − t)·x0 + t·ε: the rectified-flow state at time t."""
+    return (1 - t) * x0 + t * noise
 
 
 def vp_plan(request: SamplingRequest) -> SamplingPlan:
@@ -82,6 +95,7 @@ def vp_plan(request: SamplingRequest) -> SamplingPlan:
         noise_scale=initial_noise_scale(sigmas[0]),
         make_denoiser=functools.partial(vp_denoiser, prediction_type=request.prediction_type),
         to_latents=functools.partial(ve_to_vp, sigma=sigmas[-1]),
+        noised=ve_noised,
     )
 
 
@@ -100,6 +114,7 @@ def flow_plan(request: SamplingRequest) -> SamplingPlan:
         noise_scale=1.0,
         make_denoiser=flow_denoiser,
         to_latents=_unchanged,
+        noised=flow_noised,
     )
 
 

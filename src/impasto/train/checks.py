@@ -17,6 +17,7 @@ from impasto.config.schema import FLOW
 
 if TYPE_CHECKING:
     from impasto.config import Config
+    from impasto.config.draftp import RewardConfig
     from impasto.config.schema import ModelConfig, ObjectiveConfig, OptimConfig, SampleConfig
 
 
@@ -36,7 +37,45 @@ def config_problems(config: Config) -> list[str]:
         *objective_problems(config.objective),
         *optim_problems(config.optim),
         *sample_problems(config.sample, config.objective),
+        *method_problems(config),
     ]
+
+
+def method_problems(config: Config) -> list[str]:
+    """What the training method needs from the data, and draftp's sampler and reward."""
+    from impasto.train.methods import METHODS, DataNeeds
+
+    method = METHODS.get(config.objective.method)
+    problems = []
+    needs = getattr(method, "needs", None)
+    if needs is DataNeeds.IMAGES_AND_CAPTIONS and config.data.prompts is not None:
+        problems.append(
+            f"data.prompts: objective.method {config.objective.method} trains on images, and a "
+            "prompt file has none; set data.path (or data.sources) instead"
+        )
+    if config.objective.method == "draftp":
+        from impasto.train.methods.draftp import DRAFTP_SAMPLERS
+
+        if config.draftp.sampler not in DRAFTP_SAMPLERS:
+            problems.append(
+                f"draftp.sampler: {config.draftp.sampler!r} cannot be cut into a no-gradient "
+                f"prefix and gradient steps; use one of {', '.join(DRAFTP_SAMPLERS)}"
+            )
+        problems.extend(reward_problems(config.reward, "reward"))
+    return problems
+
+
+def reward_problems(reward: RewardConfig, key: str) -> list[str]:
+    """Unknown reward kinds in ``reward`` and its terms (entry points included)."""
+    from impasto.rewards import reward_kinds
+
+    kinds = reward_kinds()
+    problems = []
+    if reward.kind not in kinds:
+        problems.append(f"{key}.kind: unknown reward {reward.kind!r}; valid: {', '.join(kinds)}")
+    for index, term in enumerate(reward.terms):
+        problems.extend(reward_problems(term, f"{key}.terms.{index}"))
+    return problems
 
 
 def model_problems(model: ModelConfig) -> list[str]:

@@ -9,10 +9,11 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from impasto.checkpoint.trained import build_starting_backbone
 from impasto.config import Config
 from impasto.data import Batch
 from impasto.distributed import RunGroup
-from impasto.models.backbone import Backbone, build_backbone
+from impasto.models.backbone import Backbone
 from impasto.models.parts import (
     Part,
     init_adapters_from_kohya,
@@ -136,7 +137,7 @@ def build_step_setup(
     method and EMA. Seeds the global RNG (adapters initialise from it: every rank alike)."""
     group = group or RunGroup(device=device)
     torch.manual_seed(config.train.seed)
-    backbone = build_backbone(config)
+    backbone = build_starting_backbone(config)
     trainable = prepare_parts(config, backbone)
     if config.lora.init_from:
         count = init_adapters_from_kohya(trainable, config.lora)
@@ -144,6 +145,14 @@ def build_step_setup(
     set_train_mode(trainable, backbone)
     set_weight_dtypes(backbone, config.train.mixed_precision, config.memory.vae_dtype)
     backbone.to(device)
+    autocast = combined(
+        autocast_factory(device, precision), attention_context(config.memory.attention)
+    )
+    # The method is built before the memory options and the strategy wrap the networks: a
+    # method that keeps a frozen copy of the starting model (draftp) copies plain modules.
+    method = build_method(
+        MethodContext(config, backbone, tuple(trainable), autocast, group.rank, group.world)
+    )
     apply_memory_options(backbone, config.memory)
     roots = apply_strategy(backbone, trainable, config.parallel, group, precision)
     offload = None
@@ -154,18 +163,13 @@ def build_step_setup(
     groups = param_groups(trainable)
     build = partial(OPTIMIZERS[config.optim.name], config=config.optim)
     fused = FusedBackwardOptimizer(groups, build) if config.memory.fused_backward else None
-    autocast = combined(
-        autocast_factory(device, precision), attention_context(config.memory.attention)
-    )
     return StepSetup(
         backbone=backbone,
         trainable=trainable,
         params=[param for group in groups for param in group["params"]],
         optimizer=fused or build(groups),
         fused=fused,
-        method=build_method(
-            MethodContext(config, backbone, tuple(trainable), autocast, group.rank, group.world)
-        ),
+        method=method,
         ema=build_ema(config, trainable),
         autocast=autocast,
         offload=offload,

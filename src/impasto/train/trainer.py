@@ -46,7 +46,7 @@ from impasto.train.state import (
     run_info,
     save_run,
 )
-from impasto.train.validation import write_validation_grid
+from impasto.train.validation import ValidationGrid, write_validation_grid
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,8 @@ class Trainer:
         progress = tqdm(total=total, initial=state.step, unit="step", dynamic_ncols=True,
                         disable=not (config.log.progress_bar and main))  # fmt: skip
         interrupted = False
+        if state.step == 0 and self.should_sample() and self.measures_validation():
+            self.validate(metrics, progress)  # the baseline of what the method measures
         with StopRequest() as stop:
             while state.step < total and not interrupted:
                 values = self.step()
@@ -162,13 +164,7 @@ class Trainer:
                     metrics.log(state.step, values)
                     progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
                 if self.should_sample():
-                    with self.sampling_weights():  # every rank samples: FSDP gathers weights
-                        path, grid = write_validation_grid(
-                            config, self.setup.backbone, self.run_dir, state.step, main
-                        )
-                    if metrics is not None:
-                        metrics.log_image("samples", grid, state.step)
-                        progress.write(f"impasto: samples at step {state.step}: {path}")
+                    self.validate(metrics, progress)
                 # The ranks stop together: a signal seen by any of them stops all at this step.
                 (interrupted,) = self.group.any(stop.requested)
                 if self.sharded is not None:
@@ -183,6 +179,9 @@ class Trainer:
             metrics.close()
         self.guard.settle()
         report(state, time.perf_counter() - self.started, interrupted, self.last_checkpoint)
+        summarize = getattr(self.setup.method, "summarize", None)
+        if main and summarize is not None:
+            summarize(self.run_dir)
         if state.images_bad:
             print(f"impasto: the skipped images and why: {self.data.bad_data.path}")
         return TrainResult(self.run_dir, state, self.last_checkpoint, interrupted)
@@ -301,6 +300,35 @@ class Trainer:
                 f"({fraction:.0%} > data.max_bad_fraction {limit}); see "
                 f"{self.data.bad_data.path}, then remove or fix the broken files"
             )
+
+    def validate(self, metrics: MetricsLogger | None, progress: tqdm) -> None:
+        """Render the validation grid (every rank: FSDP gathers weights) and log it with what
+        the method measures on it (rank 0)."""
+        step = self.state.step
+        with self.sampling_weights():
+            validation = write_validation_grid(
+                self.config, self.setup.backbone, self.run_dir, step, self.group.is_main
+            )
+        if metrics is None:
+            return
+        metrics.log_image("samples", validation.grid, step)
+        scores = self.validation_metrics(validation)
+        if scores:
+            metrics.log(step, scores)
+        progress.write(f"impasto: samples at step {step}: {validation.path}")
+
+    def measures_validation(self) -> bool:
+        return hasattr(self.setup.method, "validation_metrics")
+
+    def validation_metrics(self, validation: ValidationGrid) -> dict[str, float]:
+        """What the method measures on the validation images (``val/NAME``), if anything:
+        e.g. draftp's reward on held-out prompts and the images' diversity."""
+        measure = getattr(self.setup.method, "validation_metrics", None)
+        if measure is None:
+            return {}
+        per_prompt = self.config.sample.images_per_prompt
+        values = measure(validation.images, validation.prompts, per_prompt)
+        return {f"val/{name}": value for name, value in values.items()}
 
     def sampling_weights(self) -> AbstractContextManager:
         """The weights validation samples use: the EMA's (``ema.sample_with_ema``) or live."""

@@ -106,7 +106,7 @@ def build_method(context: MethodContext) -> Method:
     return lookup(METHODS, context.config.objective.method, "objective.method", "method")(context)
 
 
-from impasto.train.methods import denoise  # noqa: E402,F401  (registers "denoise")
+from impasto.train.methods import denoise, draftp  # noqa: E402,F401  (register themselves)
 
 __all__ = [
     "METHODS",
