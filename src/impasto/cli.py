@@ -104,6 +104,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         spacing=args.spacing,
         size=args.size,
         ema=args.ema,
+        anneal=args.anneal,
     )
     for path in sample_checkpoint(args.checkpoint, request, args.out):
         print(path)
@@ -205,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
         "SNR, else leading)",
     )
     sample.add_argument("--size", type=int, default=None, help="default: the training resolution")
+    sample.add_argument(
+        "--anneal",
+        metavar="SPEC",
+        help="annealed guidance: at step i of n mix (1 - w)·base + w·fine-tuned, w from "
+        "base (0) | draft (1) | linear (i/n) | power_P ((i/n)^P) | step_F (1 once i/n >= F); "
+        "the base is the run's model with its LoRA off, or its starting model",
+    )
     sample.add_argument("--out", required=True, help="output folder for the PNGs")
     sample.set_defaults(func=cmd_sample)
 

@@ -8,10 +8,13 @@ from pathlib import Path
 
 from PIL.PngImagePlugin import PngInfo
 
-from impasto.checkpoint.trained import load_trained
+from impasto.checkpoint.trained import build_starting_backbone, load_trained
 from impasto.config import Config
+from impasto.models.backbone import Backbone
+from impasto.models.parts import has_adapters, without_adapters
 from impasto.objectives import training_alphas_cumprod
-from impasto.sampling import generate, to_pil
+from impasto.sampling import generate, model_forward, to_pil
+from impasto.sampling.anneal import Annealing, ModelForward, anneal_weights
 
 
 def model_sampling_options(config: Config, spacing: str | None = None) -> dict:
@@ -45,6 +48,7 @@ class SampleRequest:
     size: int | None = None  # default: the checkpoint's data.resolution
     spacing: str | None = None  # default: see model_sampling_options
     ema: bool = False  # sample with the checkpoint's EMA weights
+    anneal: str | None = None  # annealed guidance with the base model (sampling/anneal.py)
 
 
 def _slug(text: str) -> str:
@@ -52,11 +56,37 @@ def _slug(text: str) -> str:
 
 
 def _parameters(prompt: str, request: SampleRequest, seed: int, size: int) -> str:
+    anneal = "" if request.anneal is None else f", Anneal: {request.anneal}"
     return (
         f"{prompt}\nNegative prompt: {request.negative_prompt}\n"
         f"Steps: {request.num_steps}, Sampler: {request.sampler}, "
-        f"CFG scale: {request.guidance_scale}, Seed: {seed}, Size: {size}x{size}"
+        f"CFG scale: {request.guidance_scale}, Seed: {seed}, Size: {size}x{size}{anneal}"
     )
+
+
+def base_model_forward(config: Config, backbone: Backbone) -> ModelForward:
+    """The forward of the model a checkpoint's denoiser was fine-tuned from, for annealing.
+
+    An adapter run: the same backbone with the denoiser's adapters disabled. A full fine-tune:
+    the run's starting model rebuilt from ``model.*`` (``build_starting_backbone``: the preset
+    or diffusers weights, or the merged model of the impasto run it continued), frozen, in eval
+    mode, on the backbone's device. Both models read the same text encoding, so a checkpoint
+    that also trains a text encoder is a one-line error, as is one whose denoiser did not train.
+    """
+    names = {id(module): name for name, module in backbone.parts().items()}
+    denoiser = backbone.denoiser()
+    denoiser_name = names[id(denoiser)]
+    trained = [name for name in names.values() if getattr(config.parts, name) != "frozen"]
+    if trained != [denoiser_name]:
+        raise ValueError(
+            f"--anneal mixes two {denoiser_name}s under one text encoding, but this checkpoint "
+            f"trains {', '.join(trained)}; anneal a run that trains parts.{denoiser_name} only"
+        )
+    if has_adapters(denoiser):
+        return without_adapters(model_forward(backbone), denoiser)
+    base = build_starting_backbone(config).denoiser()  # its other networks are this one's
+    base = base.to(backbone.device).requires_grad_(False).eval()
+    return model_forward(backbone.with_denoiser(base))
 
 
 def sample_checkpoint(
@@ -66,8 +96,14 @@ def sample_checkpoint(
 
     Each PNG carries its parameters in a ``parameters`` text chunk (as A1111 writes them).
     The same seed gives the same image, whatever the number of prompts or images.
+    ``request.anneal`` mixes in the base model (:func:`base_model_forward`) with that schedule.
     """
+    if request.anneal is not None:
+        anneal_weights(request.anneal, request.num_steps)  # a bad spec fails before loading
     config, backbone = load_trained(checkpoint, ema=request.ema)
+    anneal = None
+    if request.anneal is not None:
+        anneal = Annealing(request.anneal, base_model_forward(config, backbone))
     size = request.size or config.data.resolution  # generate() checks it against the VAE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,6 +119,7 @@ def sample_checkpoint(
             seed=request.seed,
             height=size,
             width=size,
+            anneal=anneal,
             **model_sampling_options(config, request.spacing),
         )
         for offset, image in enumerate(to_pil(images)):

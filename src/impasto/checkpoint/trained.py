@@ -97,6 +97,14 @@ def build_starting_backbone(config: Config) -> Backbone:
             f"model.path {path} holds a model.family {source.model.family!r} run; set "
             f"model.family: {source.model.family}"
         )
+    trained, wanted = model_metadata(source), model_metadata(config)
+    for key, value in trained.items():
+        if wanted.get(key) != value:
+            field = key.removeprefix("impasto.")
+            raise ValueError(
+                f"model.path {path} was trained with objective.{field}: {value}; set "
+                f"objective.{field}: {value} (the model predicts what it was trained to)"
+            )
     for module in backbone.parts().values():
         merge_adapters(module)
     return backbone

@@ -14,7 +14,7 @@ parameter then receives a gradient, which DDP requires (no ``find_unused_paramet
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -107,6 +107,16 @@ def adapters_disabled(module: nn.Module) -> Iterator[None]:
             layer.enable_adapters(was_enabled)
         for param, requires_grad in flags:
             param.requires_grad_(requires_grad)
+
+
+def without_adapters(forward: Callable[..., Tensor], module: nn.Module) -> Callable[..., Tensor]:
+    """``forward`` computed with ``module``'s adapters switched off: the base model's."""
+
+    def base_forward(*args: Any) -> Tensor:
+        with adapters_disabled(module):
+            return forward(*args)
+
+    return base_forward
 
 
 def merge_adapters(module: nn.Module) -> None:

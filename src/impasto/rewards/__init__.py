@@ -92,3 +92,5 @@ __all__ = [
     "register_reward",
     "reward_kinds",
 ]
+
+from impasto.rewards import clip, weighted  # noqa: E402, F401  (register the built-in rewards)

@@ -29,6 +29,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas
+from impasto.sampling.anneal import Annealing, anneal_weights, annealed_forward
 from impasto.sampling.process import SamplingRequest, sampling_plan
 from impasto.sampling.samplers import StepCallback
 
@@ -131,6 +132,7 @@ def generate_latents(
     flow_shift: float = 1.0,
     flow_shift_resolution: int | None = None,
     callback: StepCallback | None = None,
+    anneal: Annealing | None = None,
 ) -> Tensor:
     """Sample VP latents ``[B, C, H/f, W/f]`` float32 on the model's device (not yet unscaled).
 
@@ -165,6 +167,13 @@ def generate_latents(
             width=width,
         )
     )
+    forward = model_forward(backbone)
+    if anneal is not None:
+        # Each sampler step evaluates the model once, at plan.timesteps[i]: one timestep per
+        # step, so their number is the n of the schedule's i/n. No network has run yet, so a
+        # bad spec fails fast.
+        weights = anneal_weights(anneal.spec, plan.timesteps.shape[0])
+        forward = annealed_forward(anneal.base_forward, forward, plan.timesteps, weights)
     device = backbone.device
     with torch.no_grad(), eval_mode(*backbone.parts().values()):
         cond = backbone.sampling_condition(prompts, height, width)
@@ -172,7 +181,7 @@ def generate_latents(
         if guidance_scale != 1.0:
             uncond_and_cond = backbone.sampling_condition(negatives, height, width).cat(cond)
         denoise = plan.make_denoiser(
-            model_forward(backbone),
+            forward,
             cond,
             uncond_and_cond,
             guidance_scale=guidance_scale,
@@ -200,7 +209,9 @@ def generate(backbone: Any, prompts: list[str], **options: Any) -> Tensor:
     or ``"flow"`` (then ``sampler`` is a key of ``FLOW_SAMPLERS``, the t ladder is shifted by
     ``flow_shift``, scaled to the image size with ``flow_shift_resolution``, and ``spacing`` is
     unused). ``alphas_cumprod`` ``[T]`` is the training schedule (default SDXL's; for flow
-    only its length T is read, the UNet getting t·T). Row j starts from
+    only its length T is read, the UNet getting t·T). ``anneal`` (an
+    :class:`~impasto.sampling.anneal.Annealing`) samples with annealed guidance: at step i the
+    model output is (1 − w_i)·base + w_i·this model (``sampling/anneal.py``). Row j starts from
     the noise of seed + j, so an image does not depend on the rest of the batch. Runs without
     gradients on the model's device; the networks' train/eval modes are restored afterwards, and
     no global RNG is used, so a trainer can call this mid-run without changing its random

@@ -37,7 +37,7 @@ from impasto.data import Batch
 from impasto.inference import model_sampling_options
 from impasto.logging import METRICS_FILE
 from impasto.models.backbone import Backbone
-from impasto.models.parts import adapters_disabled, has_adapters
+from impasto.models.parts import has_adapters, without_adapters
 from impasto.rewards import Reward, build_reward
 from impasto.sampling import SamplingPlan, SamplingRequest, sampling_plan
 from impasto.sampling.samplers import Denoiser, StepCallback
@@ -146,13 +146,7 @@ def base_network(backbone: Backbone, autocast: Callable[[], AbstractContextManag
     a frozen copy of its starting weights, taken now (before any step or resume)."""
     denoiser = backbone.denoiser()
     if has_adapters(denoiser):
-        tuned = network(backbone, autocast)
-
-        def forward(x_t: Tensor, timestep: Tensor, conditioning: Any) -> Tensor:
-            with adapters_disabled(denoiser):
-                return tuned(x_t, timestep, conditioning)
-
-        return forward
+        return without_adapters(network(backbone, autocast), denoiser)
     frozen = copy.deepcopy(denoiser).requires_grad_(False).eval()
     return network(backbone.with_denoiser(frozen), autocast)
 
