@@ -293,6 +293,10 @@ def test_pairwise_diversity_values():
         ({"parts": {"unet": "lora", "text_encoder": "lora"}}, "set parts.text_encoder and"),
         ({"draftp": {"sampler": "dpmpp_2m"}}, "draftp.sampler: 'dpmpp_2m' cannot be cut"),
         ({"draftp": {"lv_samples": 2, "truncation_steps": 2}}, "set truncation_steps: 1"),
+        (
+            {"draftp": {"sampler": "ddim"}, "objective": {"prediction_type": "flow"}},
+            "draftp.sampler: 'ddim' cannot sample a flow model",
+        ),
         ({"draftp": {"truncation_steps": 9, "num_steps": 5}}, "more than the 5 sampler steps"),
         (
             {"objective": {"method": "denoise"}},

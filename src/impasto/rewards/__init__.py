@@ -93,4 +93,4 @@ __all__ = [
     "reward_kinds",
 ]
 
-from impasto.rewards import clip, weighted  # noqa: E402, F401  (register the built-in rewards)
+from impasto.rewards import clip, demo_judge, weighted  # noqa: E402, F401  (built-in rewards)

@@ -54,12 +54,19 @@ def method_problems(config: Config) -> list[str]:
             "prompt file has none; set data.path (or data.sources) instead"
         )
     if config.objective.method == "draftp":
+        from impasto.sampling.flow import FLOW_SAMPLERS
         from impasto.train.methods.draftp import DRAFTP_SAMPLERS
 
-        if config.draftp.sampler not in DRAFTP_SAMPLERS:
+        sampler = config.draftp.sampler
+        if sampler not in DRAFTP_SAMPLERS:
             problems.append(
-                f"draftp.sampler: {config.draftp.sampler!r} cannot be cut into a no-gradient "
-                f"prefix and gradient steps; use one of {', '.join(DRAFTP_SAMPLERS)}"
+                f"draftp.sampler: {sampler!r} cannot be cut into a no-gradient prefix and "
+                f"gradient steps; use one of {', '.join(DRAFTP_SAMPLERS)}"
+            )
+        elif config.objective.is_flow and sampler not in FLOW_SAMPLERS:
+            problems.append(
+                f"draftp.sampler: {sampler!r} cannot sample a flow model; flow samplers: "
+                f"{', '.join(sorted(FLOW_SAMPLERS))}"
             )
         problems.extend(reward_problems(config.reward, "reward"))
     return problems
