@@ -39,7 +39,7 @@ from impasto.logging import METRICS_FILE
 from impasto.models.backbone import Backbone
 from impasto.models.parts import has_adapters, without_adapters
 from impasto.rewards import Reward, build_reward
-from impasto.sampling import SamplingPlan, SamplingRequest, sampling_plan
+from impasto.sampling import SamplingPlan, SamplingRequest, model_forward, sampling_plan
 from impasto.sampling.samplers import Denoiser, StepCallback
 from impasto.train.methods import (
     WHOLE_STEP,
@@ -130,15 +130,15 @@ def truncated_sample(
 
 
 def network(backbone: Backbone, autocast: Callable[[], AbstractContextManager]) -> Callable:
-    """``(x_t, timestep, conditioning) -> output`` float32 for the denoisers, under the run's
-    autocast: the input in the model's dtype, the time on its device."""
+    """Sampling's ``model_forward`` (float32 output for the denoisers) under the run's
+    autocast."""
+    forward = model_forward(backbone)
 
-    def forward(x_t: Tensor, timestep: Tensor, conditioning: Any) -> Tensor:
+    def autocast_forward(x_t: Tensor, timestep: Tensor, conditioning: Any) -> Tensor:
         with autocast():
-            output = backbone.forward(x_t.to(backbone.dtype), timestep.to(x_t.device), conditioning)
-        return output.float()
+            return forward(x_t, timestep, conditioning)
 
-    return forward
+    return autocast_forward
 
 
 def base_network(backbone: Backbone, autocast: Callable[[], AbstractContextManager]) -> Callable:
