@@ -7,9 +7,12 @@ import torch
 
 from impasto.checkpoint import (
     CheckpointData,
+    DamagedCheckpoint,
+    DiskFullError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    remove_leftovers,
     save_checkpoint,
 )
 from impasto.checkpoint import state as state_module
@@ -43,7 +46,7 @@ def test_failure_mid_write_leaves_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(state_module.torch, "save", broken_save)
-    with pytest.raises(OSError):
+    with pytest.raises(DiskFullError, match="not enough disk space .* step-00000001 is intact"):
         save_checkpoint(tmp_path, 2, _data(2.0), keep_last=1)
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]  # no partial left behind
     assert load_checkpoint(latest_checkpoint(tmp_path)).state == {"step": 1.0}
@@ -56,6 +59,8 @@ def test_partial_directory_from_a_kill_is_ignored_and_cleaned(tmp_path):
     (partial / "model.safetensors").write_bytes(b"\x00" * 10)
     assert latest_checkpoint(tmp_path).name == "step-00000003"
     save_checkpoint(tmp_path, 4, _data(4.0), keep_last=3)
+    assert partial.exists()  # a save leaves others' files alone (the run lock makes it ours)
+    assert remove_leftovers(tmp_path) == [partial]  # what a run does when it starts
     assert not partial.exists()
 
 
@@ -64,7 +69,7 @@ def test_truncated_file_gives_one_line_error(tmp_path):
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:20])
     with pytest.raises(
-        ValueError, match=r"model.safetensors is unreadable .*delete this checkpoint"
+        DamagedCheckpoint, match=r"model.safetensors is damaged \(truncated: 20 bytes, .*delete this"
     ) as info:
         load_checkpoint(path)
     assert "\n" not in str(info.value)

@@ -258,6 +258,7 @@ def test_a_run_starts_from_a_kohya_lora(tiny_raw, tmp_path, capsys):
     assert expected.keys() == started.keys()
     assert all(torch.equal(started[key], expected[key]) for key in expected)
     assert f"started {len(expected) // 2} LoRA layers" in capsys.readouterr().out
+    trainer.close()  # hands back the run directory (a live trainer holds its lock)
     tiny_raw["lora"] = {"rank": 8, "init_from": str(out)}
     with pytest.raises(
         ValueError, match="lora.init_from .*lora.safetensors: lora: .*lora.alpha is 8"

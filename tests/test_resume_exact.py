@@ -98,6 +98,16 @@ def test_a_checkpoint_missing_run_state_is_one_line_error(tmp_path, demo_folder)
     run_dir = tmp_path / "run"
     first = train(build_config(_raw(demo_folder, run_dir, 5)))
     (first.last_checkpoint / "optimizer.pt").unlink()
+    # A checkpoint's state.json lists its files: a missing one makes it damaged, and with no
+    # earlier checkpoint to fall back to, resuming stops rather than silently starting over.
+    with pytest.raises(ValueError, match="no complete checkpoint left .* --no-resume"):
+        train(build_config(_raw(demo_folder, run_dir, 10)))
+    aside = run_dir / "checkpoints" / "damaged-step-00000005"
+    state_file = aside / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["files"]  # as written before checkpoints listed their files
+    state_file.write_text(json.dumps(state))
+    aside.rename(first.last_checkpoint)
     with pytest.raises(ValueError, match="no 'optimizer' state .* use --no-resume"):
         train(build_config(_raw(demo_folder, run_dir, 10)))
 

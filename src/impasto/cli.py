@@ -51,7 +51,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from impasto.train import train
 
     result = train(config, resume=not args.no_resume)
-    return 130 if result.interrupted else 0
+    from impasto.train.signals import EXIT_INTERRUPTED
+
+    return EXIT_INTERRUPTED if result.interrupted else 0
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -330,11 +332,19 @@ def _error_lines(error: Exception) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from impasto.train.signals import EXIT_INTERRUPTED, StopRequest
+
     args = build_parser().parse_args(argv)
     if not _debug():
         _quiet_libraries()
     try:
-        return args.func(args)
+        # SIGTERM / SIGINT stop a command at once with one line (the trainer, once it trains,
+        # saves first: see impasto.train.signals).
+        with StopRequest():
+            return args.func(args)
+    except KeyboardInterrupt as error:
+        print(f"impasto: {error or 'interrupted'}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, FileNotFoundError) as error:
         if _debug():
             raise

@@ -2,18 +2,22 @@
 
 from impasto.checkpoint.state import (
     CheckpointData,
+    DamagedCheckpoint,
+    DiskFullError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    remove_partial_checkpoints,
+    remove_leftovers,
     save_checkpoint,
 )
 
 __all__ = [
     "CheckpointData",
+    "DamagedCheckpoint",
+    "DiskFullError",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
-    "remove_partial_checkpoints",
+    "remove_leftovers",
     "save_checkpoint",
 ]

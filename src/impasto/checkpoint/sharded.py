@@ -24,8 +24,6 @@ own weights cover. :func:`read_full` reads a whole checkpoint into one process (
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +32,19 @@ from typing import Any
 from torch import Tensor
 
 from impasto.checkpoint.state import (
+    FILES_KEY,
     PREFIX,
     STATE_FILE,
     TMP_PREFIX,
-    _fsync_dir,
+    DiskFullError,
     _fsync_tree,
+    check_free_space,
     checkpoint_dir,
-    list_checkpoints,
-    remove_partial_checkpoints,
+    commit_checkpoint,
+    damaged,
+    expected_sizes,
+    file_sizes,
+    prune_checkpoints,
 )
 from impasto.checkpoint.stateful import FORMAT, Stateful, is_json, load_saved
 from impasto.distributed import RunGroup
@@ -94,12 +97,19 @@ class ShardedCheckpointer:
         written in the background (``async``)."""
         self.wait()
         tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:08d}"
+        distributed, state = split_states(states)
+        (needed,) = self.group.sum(written_bytes(distributed, self.group.is_main))
+        problem = None
         if self.group.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-            remove_partial_checkpoints(self.root)
-            tmp.mkdir()
-        self.group.barrier()  # the directory exists for every rank
-        distributed, state = split_states(states)
+            try:
+                check_free_space(self.root, tmp.name.removeprefix(TMP_PREFIX), needed)
+                tmp.mkdir()
+            except DiskFullError as error:
+                problem = str(error)
+        (problem,) = self.group.gather(problem)[:1]  # rank 0's verdict, on every rank
+        if problem is not None:
+            raise DiskFullError(problem)
         state |= {"format": FORMAT, "layout": LAYOUT, MODEL_METADATA_KEY: model_metadata}
         self.pending = PendingSave(step, tmp, state, texts)
         import torch.distributed.checkpoint as dcp
@@ -142,15 +152,24 @@ def commit(root: Path, pending: PendingSave, final: Path, keep_last: int) -> Non
     tmp = pending.tmp
     for name, text in pending.texts.items():
         (tmp / name).write_text(text, encoding="utf-8")
-    (tmp / STATE_FILE).write_text(json.dumps(pending.state, indent=2), encoding="utf-8")
+    state = pending.state | {FILES_KEY: file_sizes(tmp)}
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
     _fsync_tree(tmp)
-    if final.exists():
-        os.rename(final, root / f"{TMP_PREFIX}old-{final.name}")
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    remove_partial_checkpoints(root)
-    for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    commit_checkpoint(root, tmp, final)
+    prune_checkpoints(root, keep_last)
+
+
+def written_bytes(value: Any, main: bool) -> int:
+    """About the bytes this rank writes of ``value``: its shards of the sharded tensors
+    (DTensors), and on rank 0 the tensors every rank holds whole (DCP writes those once)."""
+    if isinstance(value, Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value if main else None
+        return 0 if local is None else local.numel() * local.element_size()
+    if isinstance(value, dict):
+        return sum(written_bytes(item, main) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(written_bytes(item, main) for item in value)
+    return 0
 
 
 def split_states(states: dict[str, Stateful]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -194,13 +213,17 @@ def one_line(error: BaseException) -> str:
 
 
 def read_json_state(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise ValueError(
-            f"checkpoint {path}: {STATE_FILE} is unreadable ({type(error).__name__}); delete "
-            "this checkpoint to resume from the previous one, or use --no-resume"
-        ) from None
+    """``state.json`` of a sharded checkpoint, once every file it lists has the size it was
+    written with (else :class:`DamagedCheckpoint`)."""
+    sizes = expected_sizes(path)
+    for name, size in sizes.items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != size:
+            actual = f"{file.stat().st_size} bytes" if file.is_file() else "missing"
+            raise damaged(path, name, EOFError(f"{actual}, {size} written"))
+    state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    state.pop(FILES_KEY, None)
+    return state
 
 
 def dcp_keys(path: Path) -> set[str]:
@@ -210,10 +233,7 @@ def dcp_keys(path: Path) -> set[str]:
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except (OSError, RuntimeError, ValueError, EOFError) as error:
-        raise ValueError(
-            f"checkpoint {path}: {METADATA_FILE} is unreadable ({type(error).__name__}); delete "
-            "this checkpoint to resume from the previous one, or use --no-resume"
-        ) from None
+        raise damaged(path, METADATA_FILE, error) from None
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 

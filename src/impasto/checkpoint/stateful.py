@@ -98,6 +98,12 @@ def load_saved(path: Path, states: dict[str, Stateful], saved: Mapping[str, Any]
             stateful.load_state_dict(saved[name])
         except ValueError as error:
             raise ValueError(f"checkpoint {path}: {error}") from None
+        except (KeyError, TypeError, IndexError, RuntimeError, AttributeError) as error:
+            raise ValueError(
+                f"checkpoint {path}: its {name!r} state does not fit this run "
+                f"({type(error).__name__}: {str(error)[:200]}); restore the config it was "
+                "written with, or start over with --no-resume"
+            ) from None
 
 
 def migrate_format_1(data: CheckpointData) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,13 @@ import numpy as np
 import torch
 import yaml
 
+from impasto.checkpoint.state import (
+    DAMAGED_PREFIX,
+    DamagedCheckpoint,
+    list_checkpoints,
+    remove_leftovers,
+    set_aside,
+)
 from impasto.checkpoint.stateful import Stateful, StatefulValue, save_states
 from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_diff, config_hash, config_to_dict, config_to_yaml
@@ -51,12 +59,18 @@ def prepare_run_dir(config: Config, resume: bool, main: bool = True) -> Path:
     this process does; the other ranks of a parallel run only name it).
 
     With ``resume=False`` an earlier run's checkpoints and metrics are moved into
-    ``previous-<time>/`` rather than deleted: starting over never destroys results.
+    ``previous-<time>/`` rather than deleted: starting over never destroys results. The
+    caller holds the directory's lock (:mod:`impasto.train.run_lock`), so the ``.tmp-*``
+    leftovers of saves and prunes that a kill interrupted are removed here.
     """
     run_dir = Path(config.train.output_dir)
     if not main:
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    leftovers = remove_leftovers(run_dir / CHECKPOINTS)
+    if leftovers:
+        names = ", ".join(path.name for path in leftovers)
+        print(f"impasto: removed what interrupted saves left behind: {names}")
     earlier = [run_dir / name for name in (CHECKPOINTS, METRICS_FILE, "tensorboard")]
     earlier = [path for path in earlier if path.exists()]
     if not resume and earlier:
@@ -110,7 +124,7 @@ def ema_states(ema: EMA) -> dict[str, StatefulValue]:
 
 def run_info(config: Config, optimizer: torch.optim.Optimizer) -> StatefulValue:
     """What the checkpoint records about the run (config hash, version, LRs); a record only:
-    restoring it changes nothing (``report_config_changes`` compares the configs)."""
+    restoring it changes nothing (``check_resumable`` compares the configs)."""
 
     def record() -> dict[str, Any]:
         lrs = [group["lr"] for group in optimizer.param_groups]
@@ -142,11 +156,50 @@ def part_state(part: Part) -> StatefulValue:
     return StatefulValue(part.state_dict, lambda state: load_part(part, state))
 
 
-def report_config_changes(path: Path, config: Config) -> None:
-    """Print how ``config`` differs from the one a checkpoint was written with."""
+def restore_newest(root: Path, group: Any, load: Callable[[Path], None]) -> Path | None:
+    """``load`` the newest complete checkpoint under ``root`` and return its path (None when
+    there is none). A damaged one (a file truncated or tampered with) is set aside as
+    ``damaged-step-N`` and the one before it tried; when checkpoints exist but none loads,
+    a one-line error rather than a silent start from scratch. ``group``: the run's ranks
+    (rank 0 renames)."""
+    damaged = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            load(path)
+            return path
+        except DamagedCheckpoint as error:
+            group.barrier()  # every rank is done reading it
+            damaged.append(path.with_name(f"{DAMAGED_PREFIX}{path.name}"))
+            if group.is_main:
+                set_aside(path)
+                problem = str(error).split("; ")[0]
+                print(f"impasto: {problem}; set aside as {damaged[-1].name}")
+            group.barrier()
+    if damaged:
+        raise ValueError(
+            f"{root.parent}: no complete checkpoint left to resume from (set aside: "
+            f"{', '.join(path.name for path in damaged)}); start over with --no-resume"
+        )
+    return None
+
+
+def check_resumable(path: Path, config: Config) -> None:
+    """Print how ``config`` differs from the one the checkpoint at ``path`` was written with;
+    a change its state cannot follow (another optimizer) is a one-line error."""
     saved_file = path / "config.yaml"
     saved_text = saved_file.read_text(encoding="utf-8") if saved_file.is_file() else ""
-    saved = yaml.safe_load(saved_text) or {}
+    try:
+        saved = yaml.safe_load(saved_text) or {}
+    except yaml.YAMLError:
+        saved = {}
+    saved = saved if isinstance(saved, dict) else {}
+    saved_optimizer = (saved.get("optim") or {}).get("name")
+    if saved_optimizer is not None and saved_optimizer != config.optim.name:
+        raise ValueError(
+            f"optim.name: the checkpoint {path.name} was trained with {saved_optimizer}, this "
+            f"config says {config.optim.name} (its state does not carry over); keep "
+            f"optim.name: {saved_optimizer}, or start over with --no-resume"
+        )
     changes = config_diff(saved, config_to_dict(config))
     if changes:
         print(f"impasto: resuming with a changed config: {'; '.join(changes)}")

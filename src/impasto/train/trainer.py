@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from impasto.checkpoint import latest_checkpoint
 from impasto.checkpoint.sharded import ShardedCheckpointer, is_sharded, load_sharded
 from impasto.checkpoint.stateful import Stateful, load_states
 from impasto.checkpoint.trained import model_metadata
@@ -26,23 +25,26 @@ from impasto.data import derive_seed
 from impasto.data.dataset import Skipped
 from impasto.data.pipeline import prepare_run_data
 from impasto.distributed import RunGroup, run_group
+from impasto.faults import fault_point
 from impasto.logging import MetricsLogger
 from impasto.precision import resolve_device, resolve_precision
 from impasto.train.methods import DataNeeds, Rows
 from impasto.train.nonfinite import NonFiniteGuard
 from impasto.train.optim import LRSchedule
+from impasto.train.run_lock import RunLock, lock_run_dir
 from impasto.train.setup import build_step_setup
 from impasto.train.signals import StopRequest
 from impasto.train.state import (
     CHECKPOINTS,
     RNGStreams,
     TrainState,
+    check_resumable,
     config_text,
     ema_states,
     optimizer_by_name,
     part_state,
     prepare_run_dir,
-    report_config_changes,
+    restore_newest,
     run_info,
     save_run,
 )
@@ -61,9 +63,12 @@ def train(config: Config, resume: bool = True) -> TrainResult:
     """Train (or continue training) the run described by ``config``: in this process, or as
     one rank of a ``torchrun`` job (``parallel.strategy``)."""
     parallel = config.parallel
-    with run_group(
-        parallel.strategy, config.train.device, parallel.timeout_s, parallel.shard_size
-    ) as group:
+    with (
+        StopRequest(),
+        run_group(  # a signal while the group starts stops at once
+            parallel.strategy, config.train.device, parallel.timeout_s, parallel.shard_size
+        ) as group,
+    ):
         return Trainer(config, resume, group).run()
 
 
@@ -76,8 +81,20 @@ class Trainer:
 
     def __init__(self, config: Config, resume: bool, group: RunGroup | None = None) -> None:
         self.started = time.perf_counter()
+        # A signal from here on stops at once (start-up), later after the step (run).
+        self.stop = StopRequest().install()
+        self.lock: RunLock | None = None
+        self.data = None
+        try:
+            self.build(config, resume, group)
+        except BaseException:
+            self.close()
+            raise
+
+    def build(self, config: Config, resume: bool, group: RunGroup | None) -> None:
         self.config = config
         self.group = group = group or RunGroup(device=resolve_device(config.train.device))
+        self.lock = lock_run_dir(Path(config.train.output_dir), group)
         self.run_dir = prepare_run_dir(config, resume, group.is_main)
         group.barrier()
         group.agree(
@@ -110,13 +127,25 @@ class Trainer:
         if self.last_checkpoint is not None:
             print(f"impasto: resumed from {self.last_checkpoint} (step {self.state.step})")
 
+    def close(self) -> None:
+        """Hand back what the run holds: the signal handlers, the run directory's lock and the
+        data loader's worker processes (also when start-up failed)."""
+        self.stop.restore()
+        close_stream = getattr(getattr(self.data, "stream", None), "close", None)
+        if close_stream is not None:
+            close_stream()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
     def restore(self) -> Path | None:
         """Load the newest complete checkpoint: a sharded one into any strategy and number of
-        ranks, a one-process one into a one-process or ``ddp`` run."""
-        path = latest_checkpoint(self.run_dir / CHECKPOINTS)
-        if path is None:
-            return None
-        report_config_changes(path, self.config)
+        ranks, a one-process one into a one-process or ``ddp`` run; a damaged one is set aside
+        and the one before it loaded (:func:`~impasto.train.state.restore_newest`)."""
+        return restore_newest(self.run_dir / CHECKPOINTS, self.group, self.load)
+
+    def load(self, path: Path) -> None:
+        check_resumable(path, self.config)
         if is_sharded(path):
             load_sharded(path, self.states(sharded=True))
         elif self.config.parallel.strategy in ("fsdp", "hsdp"):
@@ -127,7 +156,6 @@ class Trainer:
             )
         else:
             load_states(path, self.states())
-        return path
 
     def states(self, sharded: bool = False) -> dict[str, Stateful]:
         """Everything a checkpoint holds, by name; the RNG streams last (restoring the data
@@ -144,7 +172,14 @@ class Trainer:
         return states | {"rng": self.rng}
 
     def run(self) -> TrainResult:
+        try:
+            return self.train_steps()
+        finally:
+            self.close()
+
+    def train_steps(self) -> TrainResult:
         config, state, total = self.config, self.state, self.data.total_steps
+        stop = self.stop
         main = self.group.is_main
         metrics = None
         if main:
@@ -156,21 +191,21 @@ class Trainer:
         interrupted = False
         if state.step == 0 and self.should_sample() and self.measures_validation():
             self.validate(metrics, progress)  # the baseline of what the method measures
-        with StopRequest() as stop:
-            while state.step < total and not interrupted:
-                values = self.step()
-                progress.update(1)
-                if values is not None and metrics is not None:
-                    metrics.log(state.step, values)
-                    progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
-                if self.should_sample():
-                    self.validate(metrics, progress)
-                # The ranks stop together: a signal seen by any of them stops all at this step.
-                (interrupted,) = self.group.any(stop.requested)
-                if self.sharded is not None:
-                    self.last_checkpoint = self.sharded.poll() or self.last_checkpoint
-                if self.should_save() or interrupted:
-                    self.save()
+        stop.defer()  # from the first step on, a signal saves after the step
+        while state.step < total and not interrupted:
+            values = self.step()
+            progress.update(1)
+            if values is not None and metrics is not None:
+                metrics.log(state.step, values)
+                progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
+            if self.should_sample():
+                self.validate(metrics, progress)
+            # The ranks stop together: a signal seen by any of them stops all at this step.
+            (interrupted,) = self.group.any(stop.requested)
+            if self.sharded is not None:
+                self.last_checkpoint = self.sharded.poll() or self.last_checkpoint
+            if self.should_save() or interrupted:
+                self.save()
         if self.sharded is not None:
             self.last_checkpoint = self.sharded.wait() or self.last_checkpoint
         self.sync_counts()
@@ -230,6 +265,7 @@ class Trainer:
         state.step += 1
         if self.setup.ema is not None:
             self.setup.ema.update(state.step)
+        fault_point("step")
         self.unsynced.samples += num_samples
         if state.step % config.log.every_steps and state.step != self.data.total_steps:
             return None

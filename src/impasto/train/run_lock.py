@@ -1,0 +1,156 @@
+"""One trainer per run directory: an exclusive lock held for the whole run (issue #16).
+
+Two trainers on one output directory corrupt each other: one deletes the other's checkpoint in
+progress, both append to ``metrics.jsonl``, the second resumes the first's checkpoints. The
+first takes ``RUN/.impasto.lock`` with ``flock``; a second one stops with one line naming the
+holder (pid, host, start time).
+
+Stale locks need no clean-up: the kernel drops a ``flock`` when its holder dies, kill -9
+included, so a lock file left behind by a dead run is simply taken over. On a filesystem
+without ``flock`` (some network mounts) the lock is the file's existence instead, created
+with ``O_EXCL``; a file whose holder ran on this host and is gone is stale and replaced, one
+from another host is reported with the command that removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+LOCK_FILE = ".impasto.lock"
+UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class RunDirInUse(ValueError):
+    """Another live process holds the run directory."""
+
+
+def lock_run_dir(run_dir: Path, group: Any) -> RunLock | None:
+    """Rank 0 of ``group`` (a :class:`~impasto.distributed.RunGroup`) locks the run
+    directory; when it cannot, every rank stops with its line."""
+    lock, problem = None, None
+    if group.is_main:
+        try:
+            lock = RunLock(run_dir).acquire()
+        except ValueError as error:
+            problem = str(error)
+    (problem,) = group.gather(problem)[:1]
+    if problem is not None:
+        raise RunDirInUse(problem)
+    return lock
+
+
+class RunLock:
+    """The lock on ``run_dir``, held from :meth:`acquire` until :meth:`release` (or until the
+    process ends, however it ends)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+        self._exclusive_file = False  # the O_EXCL fallback: the file itself is the lock
+        self._finalizer: weakref.finalize | None = None
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunDirInUse(in_use_message(self.path, read_holder(self.path))) from None
+        except OSError as error:
+            os.close(fd)
+            if error.errno not in UNSUPPORTED:
+                raise
+            self._acquire_exclusive_file()
+            return self
+        self._fd = fd
+        write_holder(fd)
+        self._finalizer = weakref.finalize(self, os.close, fd)
+        return self
+
+    def _acquire_exclusive_file(self) -> None:
+        """The fallback without ``flock``: create the file exclusively; replace a stale one."""
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = read_holder(self.path)
+                if not is_stale(holder):
+                    raise RunDirInUse(in_use_message(self.path, holder, fallback=True)) from None
+                self.path.unlink(missing_ok=True)
+                continue
+            write_holder(fd)
+            os.close(fd)
+            self._exclusive_file = True
+            self._finalizer = weakref.finalize(self, self.path.unlink, missing_ok=True)
+            return
+        raise RunDirInUse(in_use_message(self.path, read_holder(self.path), fallback=True))
+
+    def release(self) -> None:
+        """Give the directory up (the lock file stays: unlinking a flocked file would let a
+        third process lock a new file while a second still waits on the old one)."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self._fd = None
+        self._exclusive_file = False
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def write_holder(fd: int) -> None:
+    """Record who holds the lock (for the message a second trainer prints)."""
+    holder = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(holder).encode(), 0)
+
+
+def read_holder(path: Path) -> dict[str, object]:
+    with contextlib.suppress(OSError, ValueError):
+        holder = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(holder, dict):
+            return holder
+    return {}
+
+
+def is_stale(holder: dict[str, object]) -> bool:
+    """A holder that ran on this host and is no longer alive (or an unreadable record)."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int):
+        return True
+    if holder.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def in_use_message(path: Path, holder: dict[str, object], fallback: bool = False) -> str:
+    who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
+    if holder.get("started"):
+        who += f", since {holder['started']}"
+    fix = "wait for it to finish, stop it, or set another train.output_dir"
+    if fallback:
+        fix += f" (if no such process runs any more, delete {path})"
+    return f"train.output_dir {path.parent} is in use by another impasto run ({who}); {fix}"
