@@ -5,14 +5,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from impasto.config.section import Section
+from impasto.config.section import (
+    MAX_BATCH,
+    MAX_REPEATS,
+    MAX_RESOLUTION,
+    MAX_WORKERS,
+    Float,
+    Int,
+    PathStr,
+    Resolution,
+    Section,
+)
 
 
 class SubfolderConfig(Section):
-    repeats: int = Field(1, ge=1, description="times each image appears per epoch")
-    weight: float = Field(1.0, gt=0, description="loss weight of its images")
+    repeats: Int = Field(1, ge=1, le=MAX_REPEATS, description="times each image appears per epoch")
+    weight: Float = Field(1.0, gt=0, description="loss weight of its images")
 
 
 SourceKind = Literal["folder", "manifest", "webdataset", "hf"]
@@ -26,9 +36,11 @@ class SourceConfig(Section):
         description="folder (sidecar captions), manifest (JSONL/CSV/Parquet file), webdataset "
         "(tar shard URLs with brace patterns), hf (a local Hugging Face dataset folder)",
     )
-    path: str
-    repeats: int = Field(1, ge=1, description="times each of its images appears per epoch")
-    loss_weight: float = Field(1.0, gt=0, description="loss weight of its images")
+    path: PathStr
+    repeats: Int = Field(
+        1, ge=1, le=MAX_REPEATS, description="times each of its images appears per epoch"
+    )
+    loss_weight: Float = Field(1.0, gt=0, description="loss weight of its images")
     subfolders: dict[str, SubfolderConfig] = Field(
         default_factory=dict, description="folder: top-level subfolder → repeats and weight"
     )
@@ -50,8 +62,8 @@ class DataConfig(Section):
     """Images with captions: one source (``source``, ``path``) or several (``sources``)."""
 
     source: SourceKind = "folder"
-    path: str | None = None
-    prompts: str | None = Field(
+    path: PathStr | None = None
+    prompts: PathStr | None = Field(
         None,
         description="a prompt file instead of images, for methods that generate (draftp): "
         ".txt (one prompt per line) or .jsonl (a prompt, caption or text field per line)",
@@ -63,7 +75,7 @@ class DataConfig(Section):
         default_factory=list,
         description="several sources mixed (each with repeats and loss_weight); instead of path",
     )
-    index_dir: str | None = Field(
+    index_dir: PathStr | None = Field(
         None, description="webdataset: where shard indexes live (default ~/.cache/impasto/shards)"
     )
     missing_captions: Literal["skip", "empty"] = Field(
@@ -74,8 +86,8 @@ class DataConfig(Section):
     generate_demo: bool = Field(
         False, description="write the built-in demo dataset to `path` if it does not exist"
     )
-    demo_num_images: int = Field(16, ge=1)
-    resolution: int = Field(64, ge=8)
+    demo_num_images: Int = Field(16, ge=1, le=100_000)
+    resolution: Resolution = Field(64, description="square side, a multiple of 8")
     crop: Literal["center", "random"] = "center"
     random_flip: bool = False
     buckets: Literal["none", "sdxl", "generated"] = Field(
@@ -84,36 +96,35 @@ class DataConfig(Section):
         "40, needs resolution 1024) or generated (area resolution², sides bucket_min_side.."
         "bucket_max_side in steps of bucket_step)",
     )
-    bucket_step: int = Field(64, ge=8, description="generated buckets: side step")
-    bucket_min_side: int | None = Field(None, ge=8, description="default: resolution / 2")
-    bucket_max_side: int | None = Field(None, ge=8, description="default: 2 * resolution")
+    bucket_step: Int = Field(
+        64, ge=8, le=MAX_RESOLUTION, description="generated buckets: side step"
+    )
+    bucket_min_side: Int | None = Field(
+        None, ge=8, le=MAX_RESOLUTION, description="default: resolution / 2"
+    )
+    bucket_max_side: Int | None = Field(
+        None, ge=8, le=MAX_RESOLUTION, description="default: 2 * resolution"
+    )
     bucket_no_upscale: bool = Field(False, description="only buckets an image fills unscaled")
-    caption_dropout: float = Field(
+    caption_dropout: Float = Field(
         0.0, ge=0, le=1, description="probability of the empty caption (for CFG at sampling)"
     )
     shuffle_tags: bool = Field(False, description="shuffle comma-separated tags after keep_tags")
-    keep_tags: int = Field(0, ge=0, description="leading tags never shuffled or dropped")
-    tag_dropout: float = Field(0.0, ge=0, lt=1, description="drop each other tag with this p")
+    keep_tags: Int = Field(0, ge=0, le=10_000, description="leading tags never shuffled or dropped")
+    tag_dropout: Float = Field(0.0, ge=0, lt=1, description="drop each other tag with this p")
     caption_prefix: str = Field("", description='added before the caption, e.g. "sks, "')
     caption_suffix: str = Field("", description="added after the caption")
     tag_separator: str = Field(",", min_length=1)
     tag_frequency_weighting: bool = Field(
         False, description="per-image loss weight from how rare its tags are (mean 1)"
     )
-    tag_weight_min: float = Field(0.5, gt=0, le=1)
-    tag_weight_max: float = Field(2.0, ge=1)
-    batch_size: int = Field(4, ge=1)
-    num_workers: int = Field(0, ge=0)
-    max_bad_fraction: float = Field(
+    tag_weight_min: Float = Field(0.5, gt=0, le=1)
+    tag_weight_max: Float = Field(2.0, ge=1, le=1e6)
+    batch_size: Int = Field(4, ge=1, le=MAX_BATCH)
+    num_workers: Int = Field(0, ge=0, le=MAX_WORKERS)
+    max_bad_fraction: Float = Field(
         0.05, ge=0, le=1, description="stop with an error if more images than this are unreadable"
     )
-
-    @field_validator("resolution")
-    @classmethod
-    def _multiple_of_8(cls, value: int) -> int:
-        if value % 8:
-            raise ValueError(f"must be a multiple of 8 (the VAE downsamples by 8), got {value}")
-        return value
 
     @model_validator(mode="after")
     def _one_way_to_name_the_data(self) -> DataConfig:
@@ -187,20 +198,23 @@ class CacheConfig(Section):
 
     latents: Literal["none", "memory", "disk"] = "none"
     text_embeddings: Literal["none", "memory", "disk"] = "none"
-    dir: str | None = Field(
+    dir: PathStr | None = Field(
         None, description="disk: the cache folder (default: .impasto-cache in the data folder)"
     )
     dtype: Literal["float16", "bfloat16", "float32"] = Field(
         "float16", description="disk: storage dtype of the cached tensors"
     )
-    caption_variants: int = Field(
+    caption_variants: Int = Field(
         4,
         ge=1,
+        le=1024,
         description="disk text with tag shuffle/dropout: augmented variants cached per caption; "
         "epoch e trains with variant e mod this",
     )
-    batch_size: int = Field(8, ge=1, description="disk: images or captions encoded at once")
-    shard_size_mb: int = Field(256, ge=1, description="disk: size of each cache file")
+    batch_size: Int = Field(
+        8, ge=1, le=MAX_BATCH, description="disk: images or captions encoded at once"
+    )
+    shard_size_mb: Int = Field(256, ge=1, le=65536, description="disk: size of each cache file")
 
     @property
     def on_disk(self) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import types
+import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -18,28 +20,34 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from impasto.config.errors import ConfigError
 from impasto.config.schema import CONFIG_VERSION, Config
-
-
-class ConfigError(ValueError):
-    """User-facing configuration problems; the message has one line per problem."""
-
+from impasto.config.yaml_reader import parse_yaml
 
 # config_version N → N+1. Each migration takes and returns the raw mapping.
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+MAX_SHOWN = 80  # characters of a wrong value shown in a message
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of a config file: UTF-8 YAML, checked by :func:`parse_yaml`."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a config file; name the YAML file")
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{path}: {problem}{where}; fix the YAML syntax") from None
+        data = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(
+            f"{path}: cannot read it ({error.strerror}); check its permissions"
+        ) from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 text (line {line}); save it as UTF-8") from None
+    raw = parse_yaml(text, str(path))
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -50,18 +58,20 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply ``a.b=c`` in place; the value is parsed as YAML (so ``1e-4``, ``true``, ``[1, 2]``)."""
     key, sep, text = assignment.partition("=")
-    if not sep or not key.strip():
+    key = key.strip()
+    if not sep or not key:
         raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. optim.lr=1e-4")
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {key}: cannot parse value {text!r} as YAML") from None
-    parts = key.strip().split(".")
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {key}: empty part in the dotted key; write e.g. optim.lr=1e-4")
+    value = parse_yaml(text, f"--set {key}", key)
     node = raw
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             prefix = ".".join(parts[: depth + 1])
+            if isinstance(child, list):
+                raise ConfigError(f"--set {key}: {prefix} is a list; set it whole: {prefix}=[...]")
             raise ConfigError(f"--set {key}: {prefix} is a value, not a section")
         node = child
     node[parts[-1]] = value
@@ -126,10 +136,12 @@ def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> l
 
 def _describe_all(error: ValidationError) -> list[str]:
     """One line per wrong key. A value that fits no member of a union (``"none" | list``) gets
-    one error per member from pydantic; only the first is kept, as it names the key."""
+    errors from each member from pydantic; only the first is kept, as it names the key."""
     lines, seen = [], set()
     for details in error.errors():
-        key = tuple(part for part in details["loc"] if not _is_union_member(part))
+        loc = details["loc"]
+        members = [index for index, part in enumerate(loc) if _is_union_member(part)]
+        key = loc[: members[0]] if members else loc
         if key not in seen:
             seen.add(key)
             lines.append(_describe(details))
@@ -138,8 +150,8 @@ def _describe_all(error: ValidationError) -> list[str]:
 
 def _is_union_member(part: str | int) -> bool:
     # pydantic names a union member by its type, e.g. "literal['none','all']" or "list[str]";
-    # config keys are identifiers and list positions are ints.
-    return isinstance(part, str) and not part.isidentifier()
+    # config keys are names (dict keys such as subfolder "10_cats" too) and list positions ints.
+    return isinstance(part, str) and "[" in part
 
 
 def _describe(details: ErrorDetails) -> str:
@@ -152,22 +164,70 @@ def _describe(details: ErrorDetails) -> str:
         hint = difflib.get_close_matches(loc[-1], section_keys, n=1)
         fix = f"did you mean {hint[0]!r}?" if hint else f"valid keys: {', '.join(section_keys)}"
         return f"{path}: unknown key; {fix}"
+    if kind == "missing" and loc[-1].isdigit():  # a tuple too short, e.g. optim.betas: [0.9]
+        parent = ".".join(loc[:-1])
+        return f"{parent}: too few items, item {loc[-1]} is missing; list every item"
     if kind == "missing":
         return f"{path}: required key is missing; add it to the config"
+    if kind == "model_type":  # "a valid dictionary or instance of OptimConfig"
+        return f"{path}: must be a section of keys, got {_shown(value)}"
     message = message.removeprefix("Value error, ")
-    if kind in ("value_error", "assertion_error") or isinstance(value, dict):
+    if kind in ("value_error", "assertion_error"):
         return f"{path}: {message}"
-    return f"{path}: {message[0].lower()}{message[1:]}, got {value!r}"
+    message = message.split(", got ")[0]  # "... integer, got a number with a fractional part"
+    shown = "a mapping" if isinstance(value, dict) else _shown(value)
+    return f"{path}: {message[0].lower()}{message[1:]}, got {shown}"
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to :data:`MAX_SHOWN` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int of over 4300 digits has no repr
+        return "a huge integer"
+    return text if len(text) <= MAX_SHOWN else f"{text[: MAX_SHOWN - 3]}..."
 
 
 def _keys_at(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """The keys of the section at ``loc``: through sections, list items (``data.sources.0``),
+    dict values (``data.subfolders.NAME``) and optional or union members."""
+    annotation: Any = model
     for part in loc:
-        field = model.model_fields.get(part)
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        annotation = _child_type(annotation, part)
+        if annotation is None:
             return []
-        model = annotation
-    return list(model.model_fields)
+    found = _section_in(annotation)
+    return [info.alias or name for name, info in found.model_fields.items()] if found else []
+
+
+def _child_type(annotation: Any, part: str) -> Any:
+    """The type of ``part`` (a key, dict key or list index) inside a value of ``annotation``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if _is_section(annotation):
+        fields = {info.alias or name: info for name, info in annotation.model_fields.items()}
+        return fields[part].annotation if part in fields else None
+    if origin in (list, tuple) and args and part.isdigit():
+        return args[0]
+    if origin is dict and len(args) == 2:
+        return args[1]
+    children = (_child_type(member, part) for member in _union_members(annotation))
+    return next((child for child in children if child is not None), None)
+
+
+def _section_in(annotation: Any) -> type[BaseModel] | None:
+    """``annotation`` if it is a section, else its first member that is (``X | None``)."""
+    if _is_section(annotation):
+        return annotation
+    return next(filter(None, map(_section_in, _union_members(annotation))), None)
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return typing.get_args(annotation) if union else ()
 
 
 def _kind(value: object) -> str:

@@ -17,10 +17,31 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from impasto.config.data import CacheConfig, DataConfig
 from impasto.config.draftp import DraftpConfig, RewardConfig
-from impasto.config.section import Section
+from impasto.config.section import (
+    MAX_RESOLUTION,
+    MAX_SAMPLER_STEPS,
+    MAX_STEPS,
+    Float,
+    Int,
+    PathStr,
+    Resolution,
+    Section,
+    Seed,
+)
 
 CONFIG_VERSION = 1
 FLOW = "flow"  # the prediction type of rectified flow (SD3 convention)
+
+# Upper bounds no real run reaches; each keeps an absurd value from torch (issue #16).
+MAX_TIMESTEPS = 10_000  # DDPM timesteps T (SDXL: 1000)
+MAX_LORA_RANK = 4096  # SDXL adapters use 4 to 256; 4096 is full rank for most of its layers
+MAX_EPOCHS = 10**6
+MAX_GRAD_ACCUM = 65536
+MAX_RANKS = 65536  # ranks per HSDP shard group
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective waits at most a week
+MAX_IMAGES_PER_PROMPT = 256
+DEVICE = r"auto|cpu|mps|cuda(:\d{1,4})?"  # the forms train.device takes
+DEVICE_FORMS = "auto, cpu, cuda, cuda:N (N a GPU index, e.g. cuda:1) or mps"
 
 
 class ModelConfig(Section):
@@ -28,10 +49,10 @@ class ModelConfig(Section):
 
     family: str = Field("sdxl", description="the model family (impasto.models.BACKBONES)")
     preset: str | None = Field(None, description="a built-in preset (impasto.models.PRESETS)")
-    path: str | None = Field(
+    path: PathStr | None = Field(
         None, description="a diffusers SDXL folder, or a single-file .safetensors checkpoint"
     )
-    init_seed: int = Field(0, ge=0, description="seed of the random init of preset models")
+    init_seed: Seed = Field(0, description="seed of the random init of preset models")
     allow_pickle: bool = Field(
         False, description="read a .ckpt/.pt single file (torch.load, weights_only)"
     )
@@ -50,10 +71,12 @@ class TimestepBiasConfig(Section):
     """diffusers' timestep bias (DESIGN §5): P(t) ∝ multiplier on the biased steps, 1 elsewhere."""
 
     strategy: Literal["none", "earlier", "later", "range"] = "none"
-    multiplier: float = Field(1.0, description="must be > 0")
-    begin: int = Field(0, ge=0, description="range only")
-    end: int | None = Field(None, ge=1, description="range only, exclusive; default T")
-    portion: float = Field(0.25, gt=0, le=1, description="earlier / later: this fraction of T")
+    multiplier: Float = Field(1.0, description="must be > 0")
+    begin: Int = Field(0, ge=0, le=MAX_TIMESTEPS, description="range only")
+    end: Int | None = Field(
+        None, ge=1, le=MAX_TIMESTEPS, description="range only, exclusive; default T"
+    )
+    portion: Float = Field(0.25, gt=0, le=1, description="earlier / later: this fraction of T")
 
 
 class ObjectiveConfig(Section):
@@ -63,11 +86,13 @@ class ObjectiveConfig(Section):
         "denoise", description="the training method (impasto.train.methods.METHODS)"
     )
     schedule: str = "scaled_linear"
-    num_train_timesteps: int = Field(1000, ge=2)
-    beta_start: float = Field(0.00085, gt=0, lt=1)
-    beta_end: float = Field(0.012, gt=0, lt=1)
+    num_train_timesteps: Int = Field(1000, ge=2, le=MAX_TIMESTEPS)
+    beta_start: Float = Field(0.00085, gt=0, lt=1)
+    beta_end: Float = Field(0.012, gt=0, lt=1)
     zero_terminal_snr: bool = Field(False, description="Lin et al. 2023; needs v_prediction")
-    terminal_sigma: float = Field(20000.0, gt=0, description="stands in for ZTSNR's infinite σ")
+    terminal_sigma: Float = Field(
+        20000.0, gt=0, le=1e8, description="stands in for ZTSNR's infinite σ"
+    )
     prediction_type: str = Field(
         "epsilon", description="epsilon, v_prediction, sample (x0) or flow (rectified flow)"
     )
@@ -75,30 +100,35 @@ class ObjectiveConfig(Section):
         "uniform",
         description="DDPM: uniform, timestep_bias; flow: uniform, logit_normal, mode, cosmap",
     )
-    min_timestep: int = Field(0, ge=0, description="uniform: lowest t")
-    max_timestep: int | None = Field(None, ge=1, description="uniform: exclusive; default T")
+    min_timestep: Int = Field(0, ge=0, le=MAX_TIMESTEPS, description="uniform: lowest t")
+    max_timestep: Int | None = Field(
+        None, ge=1, le=MAX_TIMESTEPS, description="uniform: exclusive; default T"
+    )
     timestep_bias: TimestepBiasConfig = Field(default_factory=TimestepBiasConfig)
     loss_weighting: str = "none"
-    min_snr_gamma: float = Field(5.0, gt=0)
-    p2_gamma: float = Field(1.0, gt=0)
-    noise_offset: float = Field(0.0, ge=0, description="Guttenberg 2023; kohya suggests 0.1")
+    min_snr_gamma: Float = Field(5.0, gt=0)
+    p2_gamma: Float = Field(1.0, gt=0)
+    noise_offset: Float = Field(0.0, ge=0, description="Guttenberg 2023; kohya suggests 0.1")
     noise_offset_random_strength: bool = False
-    multires_noise_iterations: int = Field(0, ge=0, description="0: off; kohya suggests 6-10")
-    multires_noise_discount: float = Field(0.3, gt=0, le=1)
-    input_perturbation: float = Field(0.0, ge=0, description="Ning et al. 2023; 0.1 suggested")
+    multires_noise_iterations: Int = Field(
+        0, ge=0, le=32, description="0: off; kohya suggests 6-10"
+    )
+    multires_noise_discount: Float = Field(0.3, gt=0, le=1)
+    input_perturbation: Float = Field(0.0, ge=0, description="Ning et al. 2023; 0.1 suggested")
     input_perturbation_random_strength: bool = False
     loss: str = "mse"
     huber_schedule: str = "snr"
-    huber_c: float = Field(0.1, gt=0, le=1)
-    logit_mean: float = Field(0.0, description="flow, logit_normal: mean of logit(t)")
-    logit_std: float = Field(1.0, gt=0, description="flow, logit_normal: std of logit(t)")
-    mode_scale: float = Field(1.29, description="flow, mode: in [-1, 1.75]")
-    flow_shift: float = Field(
+    huber_c: Float = Field(0.1, gt=0, le=1)
+    logit_mean: Float = Field(0.0, description="flow, logit_normal: mean of logit(t)")
+    logit_std: Float = Field(1.0, gt=0, description="flow, logit_normal: std of logit(t)")
+    mode_scale: Float = Field(1.29, description="flow, mode: in [-1, 1.75]")
+    flow_shift: Float = Field(
         1.0, gt=0, description="flow: t → s·t/(1 + (s − 1)·t), s > 1 towards noise; SD3: 3 at 1024²"
     )
-    flow_shift_resolution: int | None = Field(
+    flow_shift_resolution: Int | None = Field(
         None,
         ge=8,
+        le=MAX_RESOLUTION,
         description="flow: flow_shift holds at this side; other sizes scale it by "
         "sqrt(H·W)/flow_shift_resolution (Esser et al. 2024); null: the same shift at every size",
     )
@@ -174,9 +204,9 @@ class PartsConfig(Section):
     unet: PartMode = "full"
     text_encoder: PartMode = Field("frozen", description="CLIP-L (encoder 1)")
     text_encoder_2: PartMode = Field("frozen", description="OpenCLIP bigG (encoder 2)")
-    unet_lr: float | None = Field(None, gt=0, description="default: optim.lr")
-    text_encoder_lr: float | None = Field(None, gt=0, description="default: optim.lr")
-    text_encoder_2_lr: float | None = Field(None, gt=0, description="default: optim.lr")
+    unet_lr: Float | None = Field(None, gt=0, description="default: optim.lr")
+    text_encoder_lr: Float | None = Field(None, gt=0, description="default: optim.lr")
+    text_encoder_2_lr: Float | None = Field(None, gt=0, description="default: optim.lr")
 
     @model_validator(mode="after")
     def _something_trains(self) -> PartsConfig:
@@ -191,27 +221,27 @@ class LoraConfig(Section):
     """The adapter of the parts set to ``lora`` (peft): LoRA, DoRA, LoHa or LoKr."""
 
     kind: Literal["lora", "dora", "loha", "lokr"] = "lora"
-    rank: int = Field(16, ge=1)
-    alpha: float | None = Field(None, gt=0, description="default: rank (scale alpha/rank = 1)")
-    dropout: float = Field(0.0, ge=0, lt=1)
+    rank: Int = Field(16, ge=1, le=MAX_LORA_RANK)
+    alpha: Float | None = Field(None, gt=0, description="default: rank (scale alpha/rank = 1)")
+    dropout: Float = Field(0.0, ge=0, lt=1)
     targets: Literal["attention", "attention_ff", "attention_ff_conv"] = Field(
         "attention", description="attention; + feed-forward; + ResNet convs and projections"
     )
-    init_from: str | None = Field(
+    init_from: PathStr | None = Field(
         None, description="a kohya LoRA .safetensors to start the adapters from (kind: lora)"
     )
 
 
 class OptimConfig(Section):
     name: str = "adamw"
-    lr: float = Field(1e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0, description="null disables clipping")
+    lr: Float = Field(1e-4, gt=0)
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: Float = Field(1e-8, gt=0)
+    weight_decay: Float = Field(0.01, ge=0)
+    max_grad_norm: Float | None = Field(1.0, gt=0, description="null disables clipping")
     lr_schedule: str = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of linear/cosine decay")
+    warmup_steps: Int = Field(0, ge=0, le=MAX_STEPS)
+    min_lr_ratio: Float = Field(0.0, ge=0, le=1, description="floor of linear/cosine decay")
 
     @field_validator("betas")
     @classmethod
@@ -253,7 +283,9 @@ class MemoryConfig(Section):
     offload_blocks: bool = Field(
         False, description="keep UNet blocks in CPU memory, streamed to the GPU when used"
     )
-    resident_blocks: int = Field(0, ge=0, description="offload: blocks that stay on the GPU")
+    resident_blocks: Int = Field(
+        0, ge=0, le=1024, description="offload: blocks that stay on the GPU"
+    )
     vae_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="the VAE's weights (fp16 overflows in SDXL's VAE; not offered)"
     )
@@ -272,13 +304,15 @@ class EmaConfig(Section):
     """An exponential moving average of the trained weights (docs/speed-memory.md)."""
 
     enabled: bool = False
-    decay: float = Field(0.9999, ge=0, lt=1)
+    decay: Float = Field(0.9999, ge=0, lt=1)
     warmup: Literal["none", "power"] = Field(
         "none", description="power: decay min(decay, 1 - (1 + t/inv_gamma)^-power) (k-diffusion)"
     )
-    inv_gamma: float = Field(1.0, gt=0)
-    power: float = Field(2 / 3, gt=0)
-    update_every: int = Field(1, ge=1, description="update every N steps (with decay^N)")
+    inv_gamma: Float = Field(1.0, gt=0)
+    power: Float = Field(2 / 3, gt=0)
+    update_every: Int = Field(
+        1, ge=1, le=MAX_STEPS, description="update every N steps (with decay^N)"
+    )
     device: Literal["cpu", "same"] = Field(
         "same",
         description="where the fp32 shadow weights live: same (beside the weights: fast) or "
@@ -289,20 +323,27 @@ class EmaConfig(Section):
 
 
 class TrainConfig(Section):
-    output_dir: str = "runs/default"
-    seed: int = Field(0, ge=0)
-    max_steps: int | None = Field(None, ge=1, description="optimizer steps")
-    max_epochs: int | None = Field(None, ge=1)
-    grad_accum_steps: int = Field(1, ge=1)
+    output_dir: PathStr = "runs/default"
+    seed: Seed = 0
+    max_steps: Int | None = Field(None, ge=1, le=MAX_STEPS, description="optimizer steps")
+    max_epochs: Int | None = Field(None, ge=1, le=MAX_EPOCHS)
+    grad_accum_steps: Int = Field(1, ge=1, le=MAX_GRAD_ACCUM)
     mixed_precision: Literal["auto", "bf16", "fp32", "pure_bf16"] = Field(
         "auto",
         description="auto: bf16 autocast where native, else fp32; bf16: autocast with fp32 "
         "weights; pure_bf16: bf16 weights (optim adamw_bf16_sr or adafactor)",
     )
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    max_nonfinite_steps: int = Field(
-        5, ge=1, description="stop after this many non-finite steps in a row"
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
+    max_nonfinite_steps: Int = Field(
+        5, ge=1, le=MAX_STEPS, description="stop after this many non-finite steps in a row"
     )
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, value: str) -> str:
+        if not re.fullmatch(DEVICE, value):
+            raise ValueError(f"unknown device, got {value!r}; use {DEVICE_FORMS}")
+        return value
 
     @model_validator(mode="after")
     def _has_length(self) -> TrainConfig:
@@ -312,10 +353,10 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
+    model_config = ConfigDict(validate_by_name=True)  # merged with Section's
 
-    every_steps: int = Field(500, ge=1)
-    keep_last: int = Field(3, ge=1)
+    every_steps: Int = Field(500, ge=1, le=MAX_STEPS)
+    keep_last: Int = Field(3, ge=1, le=MAX_STEPS)
     save_final: bool = True
     async_save: bool = Field(
         False,
@@ -347,29 +388,35 @@ class ParallelConfig(Section):
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="fsdp/hsdp: the dtype gradients are reduced in"
     )
-    shard_size: int | None = Field(
-        None, ge=1, description="hsdp: ranks per shard group (default: the processes per node)"
+    shard_size: Int | None = Field(
+        None,
+        ge=1,
+        le=MAX_RANKS,
+        description="hsdp: ranks per shard group (default: the processes per node)",
     )
-    timeout_s: int = Field(
-        1800, ge=10, description="how long a rank waits for the others in one collective"
+    timeout_s: Int = Field(
+        1800,
+        ge=10,
+        le=MAX_TIMEOUT_S,
+        description="how long a rank waits for the others in one collective",
     )
 
 
 class SampleConfig(Section):
     """Validation samples during training: a grid of ``prompts`` every ``every_steps`` steps."""
 
-    every_steps: int = Field(0, ge=0, description="0: no samples during training")
+    every_steps: Int = Field(0, ge=0, le=MAX_STEPS, description="0: no samples during training")
     prompts: tuple[str, ...] = ()
     negative_prompt: str = ""
-    images_per_prompt: int = Field(1, ge=1)
-    num_steps: int = Field(30, ge=1)
-    guidance_scale: float = Field(5.0, ge=0)
+    images_per_prompt: Int = Field(1, ge=1, le=MAX_IMAGES_PER_PROMPT)
+    num_steps: Int = Field(30, ge=1, le=MAX_SAMPLER_STEPS)
+    guidance_scale: Float = Field(5.0, ge=0)
     sampler: str = "euler"
     spacing: Literal["leading", "trailing", "linspace"] | None = Field(
         None, description="default: trailing with zero terminal SNR, else leading (SDXL)"
     )
-    seed: int = Field(0, ge=0)
-    resolution: int | None = Field(None, ge=8, description="default: data.resolution")
+    seed: Seed = Field(0, description="image i of a prompt uses seed + i")
+    resolution: Resolution | None = Field(None, description="default: data.resolution")
 
     @model_validator(mode="after")
     def _check(self) -> SampleConfig:
@@ -379,7 +426,7 @@ class SampleConfig(Section):
 
 
 class LogConfig(Section):
-    every_steps: int = Field(1, ge=1)
+    every_steps: Int = Field(1, ge=1, le=MAX_STEPS)
     jsonl: bool = True
     tensorboard: bool = True
     progress_bar: bool = True
@@ -391,7 +438,7 @@ PURE_BF16_OPTIMIZERS = ("adamw_bf16_sr",)  # Adafactor rounds bf16 weights to ne
 class Config(Section):
     """A whole run. Sections mirror the architecture (DESIGN §3, §4)."""
 
-    config_version: int = CONFIG_VERSION
+    config_version: Int = CONFIG_VERSION
     model: ModelConfig
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     data: DataConfig
@@ -471,6 +518,22 @@ class Config(Section):
                 f"ema.device: cpu keeps full copies on the host, but parallel.strategy {strategy} "
                 "shards the EMA like its weights; set ema.device: same"
             )
+
+    @model_validator(mode="after")
+    def _sampler_steps_fit(self) -> Config:
+        # A DDPM model is sampled on fewer timesteps than it was trained on; with as many or
+        # more, the spacings repeat or run past t = T - 1 (flow times are continuous).
+        T = self.objective.num_train_timesteps
+        if self.objective.is_flow:
+            return self
+        used = {"sample": self.sample.every_steps > 0, "draftp": self.objective.method == "draftp"}
+        for key, steps in (("sample", self.sample.num_steps), ("draftp", self.draftp.num_steps)):
+            if used[key] and steps >= T:
+                raise ValueError(
+                    f"{key}.num_steps: a sampler visits fewer timesteps than "
+                    f"objective.num_train_timesteps ({T}), got {steps}; lower it"
+                )
+        return self
 
     @model_validator(mode="after")
     def _draftp_trains_the_denoiser(self) -> Config:

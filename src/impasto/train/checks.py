@@ -5,11 +5,16 @@ key fails fast, without torch (issue #13). The registries live beside their code
 in :mod:`impasto.train.optim`, the objectives in :mod:`impasto.objectives`, ...), so this module
 sits above both and imports each registry when it checks it. Every problem is reported at once,
 one line each; the lines keep the wording the schema's validators used before the split.
+The folders the run writes (``train.output_dir``, ``cache.dir``, ``data.index_dir``) are checked
+here too, against the filesystem: a file where a folder must be is one line, not a traceback
+from ``mkdir`` once the run has started (issue #16).
 """
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from impasto.config.load import ConfigError
@@ -18,11 +23,18 @@ from impasto.config.schema import FLOW
 if TYPE_CHECKING:
     from impasto.config import Config
     from impasto.config.draftp import RewardConfig
-    from impasto.config.schema import ModelConfig, ObjectiveConfig, OptimConfig, SampleConfig
+    from impasto.config.schema import (
+        MemoryConfig,
+        ModelConfig,
+        ObjectiveConfig,
+        OptimConfig,
+        SampleConfig,
+    )
 
 
 def check_config(config: Config) -> None:
-    """Raise :class:`ConfigError` listing every unknown name in ``config``, one per line."""
+    """Raise :class:`ConfigError` listing every unknown name in ``config`` and every folder it
+    cannot write to, one per line."""
     _raise_if_any(config_problems(config))
 
 
@@ -38,7 +50,59 @@ def config_problems(config: Config) -> list[str]:
         *optim_problems(config.optim),
         *sample_problems(config.sample, config.objective),
         *method_problems(config),
+        *compile_problems(config.memory),
+        *folder_problems(config),
     ]
+
+
+def compile_problems(memory: MemoryConfig) -> list[str]:
+    """An unknown ``torch.compile`` backend (torch raises it only once the model is built)."""
+    if memory.compile == "none":
+        return []
+    from torch._dynamo import list_backends
+
+    backends = list_backends(exclude_tags=())  # every registered one, plug-ins included
+    if memory.compile_backend in backends:
+        return []
+    valid = ", ".join(list_backends())
+    return [
+        f"memory.compile_backend: unknown backend {memory.compile_backend!r}; valid: {valid} "
+        "(torch._dynamo.list_backends())"
+    ]
+
+
+def folder_problems(config: Config) -> list[str]:
+    """Folders the run creates or fills that cannot be folders: an existing file at the path,
+    or a file where one of its parents should be (mkdir would raise a traceback mid-run)."""
+    folders = {
+        "train.output_dir": config.train.output_dir,
+        "cache.dir": config.cache.dir,
+        "data.index_dir": config.data.index_dir,
+    }
+    problems = []
+    for key, folder in folders.items():
+        problem = folder and _folder_problem(folder)
+        if problem:
+            problems.append(f"{key}: {problem}, got {folder!r}; choose another folder")
+    return problems
+
+
+def _folder_problem(folder: str) -> str | None:
+    if "\0" in folder:
+        return "a path cannot contain a NUL character"
+    path = Path(folder)
+    for candidate in (path, *path.parents):  # the nearest existing one must be a folder
+        try:
+            is_folder = stat.S_ISDIR(candidate.stat().st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there yet: the run creates it
+        except OSError as error:  # e.g. a name too long for the filesystem
+            return f"cannot use this path ({error.strerror})"
+        if is_folder:
+            return None
+        where = "is an existing file" if candidate == path else f"{candidate} is a file"
+        return f"{where}, not a folder"
+    return None
 
 
 def method_problems(config: Config) -> list[str]:
