@@ -351,6 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in _error_lines(error):
             print(f"impasto: error: {line}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as error:  # a folder without write permission, a disk full outside a save
+        if _debug():
+            raise
+        where = f": {error.filename}" if error.filename else ""
+        print(f"impasto: error: {error.strerror or error}{where}", file=sys.stderr)
+        return 1
     except FloatingPointError as error:
         print(f"impasto: error: {error}", file=sys.stderr)
         return 1

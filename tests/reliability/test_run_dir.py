@@ -297,3 +297,22 @@ def test_a_damaged_sharded_checkpoint_falls_back_and_a_full_disk_is_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checkpoint step-00000015: not enough disk space" in err[0], err
     assert "the previous checkpoint step-00000012 is intact" in err[0]
+
+
+def test_an_output_folder_without_write_permission_is_one_line(
+    tmp_path, demo_folder, capsys, monkeypatch
+):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "r.yaml", raw_config(demo_folder, run_dir, 2))
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):  # as under a read-only parent (root ignores modes)
+        if self == run_dir:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    assert main(["train", str(config)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"impasto: error: Permission denied: {run_dir}"
+    ]

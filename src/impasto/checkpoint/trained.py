@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
@@ -17,6 +16,7 @@ from impasto.checkpoint import sharded
 from impasto.checkpoint.sharded import is_sharded
 from impasto.checkpoint.state import STATE_FILE, latest_checkpoint
 from impasto.config import Config, build_config
+from impasto.config.load import read_yaml
 from impasto.models.backbone import Backbone, build_backbone
 
 
@@ -123,7 +123,7 @@ def load_trained(path: str | Path, ema: bool = False) -> tuple[Config, Backbone]
     config_file = checkpoint / "config.yaml"
     if not config_file.is_file():
         raise ValueError(f"checkpoint {checkpoint}: no config.yaml; it was not written by impasto")
-    config = build_config(yaml.safe_load(config_file.read_text(encoding="utf-8")))
+    config = build_config(read_yaml(config_file))  # strict: duplicate keys, aliases, UTF-8
     backbone = build_starting_backbone(config)
     parts = prepare_parts(config, backbone)
     tensors = read_weights(checkpoint, set(parts))
