@@ -42,7 +42,11 @@ def test_placing_reports_every_image(mixed_folder):
     assert bucket_of[names.index("broken.png")] is None
     # i % 4 = 0 (64x64) and 3 (62x66): 4 + 3 square; 1 (60x100): 4 wide; 2 (100x60): 3 tall.
     assert report.counts == {(64, 64): 7, (48, 80): 4, (80, 48): 3}
-    assert list(report.unplaced.values()) == ["unreadable (UnidentifiedImageError)"]
+    assert list(report.unplaced.values()) == [
+        "unreadable image: not an image PIL can read (unknown format, or an empty or damaged "
+        "header)"
+    ]
+    assert report.unreadable == [str(mixed_folder / "broken.png")]
     assert "broken.png" in report.format()
 
 
@@ -105,6 +109,7 @@ def _raw(folder: Path, run_dir: Path, max_steps: int) -> dict:
             "bucket_step": 16,
             "bucket_min_side": 48,
             "bucket_max_side": 80,
+            "max_bad_fraction": 0.1,  # broken.png: 1 of 15, reported before training
         },
         "optim": {"lr": 1e-3},
         "train": {"output_dir": str(run_dir), "seed": 0, "max_steps": max_steps},
@@ -117,6 +122,11 @@ def test_bucketed_training_resumes_bitwise(mixed_folder, tmp_path):
     straight = train(build_config(_raw(mixed_folder, tmp_path / "straight", 6)))
     report = (straight.run_dir / "buckets.txt").read_text()
     assert "48 x 80" in report and "broken.png: unreadable" in report
+    bad_data = (straight.run_dir / "bad-data.tsv").read_text()
+    assert (
+        bad_data == f"{mixed_folder / 'broken.png'}\tunreadable image: not an image PIL can "
+        "read (unknown format, or an empty or damaged header)\n"
+    )
     train(build_config(_raw(mixed_folder, tmp_path / "resumed", 3)))
     resumed = train(build_config(_raw(mixed_folder, tmp_path / "resumed", 6)))
     a = load_file(straight.last_checkpoint / "unet.safetensors")

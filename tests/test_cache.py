@@ -144,11 +144,11 @@ def test_a_crash_while_writing_leaves_no_shard(tmp_path, monkeypatch) -> None:
     writer = ShardWriter(tmp_path, "latents", rank=0, max_bytes=1 << 30)
     writer.add({"a.mean": torch.ones(4)})
 
-    def crash(tensors, path):
+    def crash(tensors, path, metadata=None):
         Path(path).write_bytes(b"half a shard")
         raise OSError("disk full")
 
-    monkeypatch.setattr("impasto.data.cache.save_file", crash)
+    monkeypatch.setattr("impasto.data.cache_shards.save_file", crash)
     with pytest.raises(OSError, match="disk full"):
         writer.flush()
     assert not list((tmp_path / "shards").glob("*.safetensors"))

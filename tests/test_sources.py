@@ -14,6 +14,7 @@ import pytest
 
 from impasto.config import build_config
 from impasto.data import read_caption, read_manifest, scan_image_folder
+from impasto.data.folder import scan_manifest
 from impasto.data.pipeline import load_records, record_loss_weights
 from impasto.train.trainer import Trainer
 
@@ -70,14 +71,23 @@ def test_jsonl_and_csv_manifests(images, tmp_path):
     table = tmp_path / "train.csv"
     table.write_text(f"image,caption\n{images[2]},a blue square\n")
     assert read_manifest(table)[0].caption == "a blue square"
-    for text, message in (
-        ('{"caption": "x"}\n', "row 1: no 'image' field"),
-        ('{"image": "0.png", "weight": 0}\n', "row 1: weight must be > 0"),
-        ("{oops\n", "line 1: not JSON"),
-    ):
-        jsonl.write_text(text)
-        with pytest.raises(ValueError, match=message):
-            read_manifest(jsonl)
+    # A bad row is left out and named; a manifest with no usable row is one line.
+    bad_rows = ['{"caption": "x"}', '{"image": "0.png", "weight": 0}', "{oops", "[1]"]
+    jsonl.write_text("\n".join([*bad_rows, '{"image": "1.png"}']) + "\n")
+    scan = scan_manifest(jsonl)
+    assert [r.image_path for r in scan.records] == [images[1]]
+    assert [(item.name, item.reason) for item in scan.skipped] == [
+        (f"{jsonl} line 1", "no 'image' field"),
+        (f"{jsonl} line 2", "weight must be > 0 and finite, got 0.0"),
+        (f"{jsonl} line 3", "not JSON (Expecting property name enclosed in double quotes)"),
+        (f"{jsonl} line 4", "no 'image' field"),
+    ]
+    jsonl.write_text("\n".join(bad_rows) + "\n")
+    with pytest.raises(ValueError, match=r"train.jsonl has no usable rows \(.*line 1: no 'image'"):
+        read_manifest(jsonl)
+    jsonl.write_bytes('{"image": "0.png", "caption": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"train.jsonl: cannot be read \(not UTF-8"):
+        read_manifest(jsonl)
 
 
 def test_a_manifest_run_carries_row_weights_into_batches(images, tiny_raw, tmp_path):
@@ -159,7 +169,8 @@ def test_mixed_sources_with_repeats_and_weights_train(images, tiny_raw, tmp_path
     assert trainer.data.records[-1].read_bytes() == images[0].read_bytes()
     assert trainer.data.stream.loader.dataset.bucket_of == [(64, 64)] * 9
     result = trainer.run()
-    assert result.state.step == 2 and result.state.images_bad == 0
+    assert result.state.step == 2
+    assert result.state.images_bad == 2  # the two images without a caption, counted once
 
 
 def test_images_without_captions_are_left_out_counted_and_named(images, tiny_raw, capsys):

@@ -22,8 +22,10 @@ from impasto.data.sources import (
     FsspecRangeBlob,
     hf,
     hf_dataset_records,
+    hf_dataset_scan,
     parquet,
     parquet_records,
+    parquet_scan,
     shards,
     webdataset_records,
 )
@@ -248,20 +250,33 @@ def test_parquet_with_bytes_and_hf_image_structs(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("table", "message"),
+    ("table", "reason"),
     [
-        ({"image": ["a.png", None]}, r"p.parquet row 2: no 'image' field"),
-        (
-            {"image": ["a.png", "b.png"], "weight": [1.0, 0.0]},
-            r"row 2: weight must be > 0, got 0.0",
-        ),
-        ({"image": ["a.png"], "weight": ["heavy"]}, r"row 1: weight 'heavy' is not a number"),
-        ({"path": ["a.png"], "text": ["x"]}, r"has no 'image' column; its columns: path, text"),
+        ({"image": ["a.png", None]}, "no 'image' field"),
+        ({"image": ["a.png", "b.png"], "weight": [1.0, 0.0]}, "weight must be > 0 and finite"),
+        ({"image": ["a.png", "b.png"], "weight": ["1", "heavy"]}, "weight 'heavy' is not a number"),
     ],
 )
-def test_parquet_errors_name_file_and_row(tmp_path, table, message):
+def test_a_bad_parquet_row_is_left_out_and_named(tmp_path, table, reason):
     pq.write_table(pa.table(table), tmp_path / "p.parquet")
-    with pytest.raises(ValueError, match=message):
+    scan = parquet_scan(tmp_path / "p.parquet")
+    assert [record.image_path for record in scan.records] == [tmp_path / "a.png"]
+    assert [(item.name, item.reason[: len(reason)]) for item in scan.skipped] == [
+        (f"{tmp_path / 'p.parquet'} row 2", reason)
+    ]
+
+
+def test_parquet_errors_name_the_file(tmp_path):
+    pq.write_table(pa.table({"path": ["a.png"], "text": ["x"]}), tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match=r"has no 'image' column; its columns: path, text"):
+        parquet_records(tmp_path / "p.parquet")
+    pq.write_table(
+        pa.table({"image": [None, ""]}, pa.schema([("image", pa.string())])), tmp_path / "p.parquet"
+    )
+    with pytest.raises(ValueError, match=r"p.parquet has no usable rows \(.*row 1: no 'image'"):
+        parquet_records(tmp_path / "p.parquet")
+    (tmp_path / "p.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match=r"p.parquet: is not a readable Parquet file"):
         parquet_records(tmp_path / "p.parquet")
 
 
@@ -331,3 +346,33 @@ def test_hf_dataset_folder_of_parquet_files_loads_offline(tmp_path, monkeypatch)
 def test_hf_dataset_must_be_a_local_folder(tmp_path):
     with pytest.raises(ValueError, match=r"user/name is not a local folder; download it first"):
         hf_dataset_records("user/name")
+
+
+def test_hf_data_files_that_do_not_load_are_left_out(hf_images, tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    datasets.DatasetDict({"train": hf_images}).save_to_disk(
+        tmp_path / "dict", num_shards={"train": 3}
+    )
+    cut = tmp_path / "dict" / "train" / "data-00002-of-00003.arrow"
+    cut.write_bytes(cut.read_bytes()[:100])
+    scan = hf_dataset_scan(tmp_path / "dict")
+    assert [record.caption for record in scan.records] == ["one", ""]
+    assert [(item.name, item.reason[:24]) for item in scan.skipped] == [
+        (str(cut), "Arrow file does not load")
+    ]
+    monkeypatch.setattr(hf, "_HF_IMAGES", {})  # a loader worker loads the same files
+    assert [record.read_bytes() for record in scan.records] == [RED, GREEN]
+    folder = tmp_path / "repo" / "data"
+    folder.mkdir(parents=True)
+    for index, image in enumerate((RED, GREEN)):
+        table = pa.table({"image": [{"bytes": image, "path": None}], "text": [f"t{index}"]})
+        pq.write_table(table, folder / f"train-{index}.parquet")
+    (folder / "train-2.parquet").write_bytes(b"PAR1 garbage")
+    scan = hf_dataset_scan(tmp_path / "repo")
+    assert [(record.caption, record.read_bytes()) for record in scan.records] == [
+        ("t0", RED),
+        ("t1", GREEN),
+    ]
+    assert [item.name for item in scan.skipped] == [str(folder / "train-2.parquet")]

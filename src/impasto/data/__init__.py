@@ -6,6 +6,10 @@ to record and restore the data position exactly.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import threading
 from collections.abc import Sequence
 
 from torch.utils.data import DataLoader
@@ -16,7 +20,6 @@ from impasto.data.dataset import (
     Batch,
     Example,
     ImageCaptionDataset,
-    Skipped,
     collate_examples,
 )
 from impasto.data.demo import (
@@ -43,6 +46,7 @@ from impasto.data.sampler import (
     epoch_order,
 )
 from impasto.data.seeding import derive_seed
+from impasto.data.skips import Skipped
 from impasto.data.transforms import CROP_MODES, pil_to_tensor, resize_and_crop
 
 __all__ = [
@@ -103,6 +107,33 @@ def training_sampler(
     )
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """A loader worker's ``worker_init_fn``: the main process owns shutdown, so a worker
+    ignores SIGINT (Ctrl-C reaches the whole foreground process group) and every SIGTERM
+    except its parent's (Slurm signals every process of the job; the main process then saves
+    a checkpoint and stops its loader, which needs its workers alive).
+
+    A SIGTERM from the parent still ends the worker, as torch's own handler does: it is how
+    ``multiprocessing`` stops daemonic workers a main process leaves behind at exit, which would
+    otherwise hang there. The signal is blocked and taken by a thread that reads its sender
+    (``sigwaitinfo``); where that does not exist (macOS), SIGTERM keeps its default.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    parent = multiprocessing.parent_process()  # the loader's process, even under forkserver
+    main = os.getppid() if parent is None else parent.pid
+    threading.Thread(target=_await_parent_sigterm, args=(main,), daemon=True).start()
+
+
+def _await_parent_sigterm(parent: int) -> None:
+    """Take every SIGTERM sent to this worker; exit on the parent's."""
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)  # a clean exit: torch reports a worker killed by a signal as a failure
+
+
 def build_dataloader(
     records: Sequence[ImageRecord],
     resolution: int,
@@ -136,7 +167,8 @@ def build_dataloader(
         random_flip: flip horizontally with probability 0.5.
         batch_size: examples per batch (before dropping unreadable files).
         seed: run seed for the order and the augmentations.
-        num_workers: loader worker processes; results are identical for any value.
+        num_workers: loader worker processes; results are identical for any value. Workers
+            ignore SIGINT and SIGTERM (:func:`ignore_stop_signals`).
         start_position: ``(epoch, batch_in_epoch)`` of the first batch to load.
         pin_memory: pin batches in host memory (for faster, asynchronous GPU copies).
         caption_dropout: probability of training an example with the empty caption.
@@ -176,5 +208,6 @@ def build_dataloader(
         # keeping them alive across epochs only saves start-up time.
         persistent_workers=num_workers > 0,
         pin_memory=pin_memory,
+        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
     )
     return loader, sampler

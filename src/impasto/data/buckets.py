@@ -22,6 +22,7 @@ from PIL import Image
 
 from impasto.data.folder import ImageRecord
 from impasto.data.seeding import derive_seed
+from impasto.data.skips import error_reason
 from impasto.data.transforms import (
     IMAGE_LOAD_ERRORS,
     get_crop_offsets,
@@ -293,10 +294,12 @@ def apply_bucket_transform(image: Image.Image, params: BucketCrop) -> torch.Tens
 
 @dataclass
 class BucketReport:
-    """Images per bucket, and the images that could not be placed with the reason."""
+    """Images per bucket, and the images that could not be placed with the reason
+    (``unreadable``: those among them whose header does not read; bad data, not a setting)."""
 
     counts: dict[Bucket, int] = field(default_factory=dict)
     unplaced: dict[str, str] = field(default_factory=dict)
+    unreadable: list[str] = field(default_factory=list)
 
     def format(self) -> str:
         """A readable table: one row per bucket by aspect ratio, then the unplaced images."""
@@ -353,7 +356,7 @@ def assign_image_buckets(
     the data loader then leaves it out and the report says so (nothing is dropped silently).
     """
     placed: dict[tuple[str, str], Bucket | None] = {}  # repeated records: one file, opened once
-    reasons = {}
+    reasons, unreadable = {}, []
     names = [str(image.image_path if isinstance(image, ImageRecord) else image) for image in images]
     keys = [(n, repr(getattr(i, "blob", None))) for i, n in zip(images, names, strict=True)]
     for image, name, key in zip(images, names, keys, strict=True):
@@ -363,13 +366,15 @@ def assign_image_buckets(
         try:
             height, width = image_size(image)
         except IMAGE_LOAD_ERRORS as error:
-            reasons[name] = f"unreadable ({type(error).__name__})"
+            reasons[name] = f"unreadable image: {error_reason(error)}"
+            unreadable.append(name)
         else:
             placed[key] = assign_bucket(height, width, buckets, no_upscale)
             if placed[key] is None:
                 reasons[name] = f"{height}x{width} is smaller than every bucket (no upscale)"
     bucket_of = [placed[key] for key in keys]
     report = bucket_report(dict(zip(names, bucket_of, strict=True)), reasons)
+    report.unreadable = unreadable
     return bucket_of, report
 
 

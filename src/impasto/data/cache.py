@@ -14,12 +14,17 @@ Layout of the cache folder (``cache.dir``)::
 
     shards/latents-<stamp>-r<rank>-<uuid>.safetensors   "<key>.mean", "<key>.std"
     shards/text-<stamp>-r<rank>-<uuid>.safetensors      "<key>.embeds", "<key>.pooled"
+    shards/<shard>.verified                             the shard was whole at this size and mtime
+    shards/<shard>.corrupt                              a damaged shard, set aside
     images/ids-<stamp>-r<rank>-<uuid>.jsonl              content ids by file stat
 
 Shards are immutable: written to a hidden temporary file, flushed to disk, then renamed into
 place, so a crash leaves no half-written shard under a shard's name, and any number of ranks can
-read them while others add new ones. A shard that does not open (truncated, overwritten) is
-renamed ``*.corrupt`` and its entries count as missing, so the next fill encodes them again.
+read them while others add new ones. Every entry carries a crc32 (the shard's metadata): a fill
+checks each shard it does not know to be whole, and sets a damaged one (truncated, overwritten
+in place, rotten) aside as ``*.corrupt`` so that its entries are encoded again; training checks
+each entry it reads and skips, and reports, one that does not match, for the next fill to
+re-encode (:mod:`impasto.data.cache_shards` tells the whole story).
 
 Hashing every image at every start would read the whole dataset, so content ids are memoised
 by ``(path, size, mtime_ns)`` (a record read through a ``blob`` by the blob's identity): a file
@@ -33,21 +38,25 @@ import hashlib
 import io
 import json
 import logging
-import os
-import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from PIL import Image
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from impasto.data.buckets import BucketCrop
+from impasto.data.cache_shards import (
+    SHARD_ERRORS,
+    DamagedEntry,
+    ShardStore,
+    stamped_name,
+    write_atomically,
+)
+from impasto.data.cache_shards import ShardWriter as ShardWriter  # re-exported
 from impasto.data.folder import ImageRecord
+from impasto.data.skips import error_reason
 
 logger = logging.getLogger(__name__)
 
@@ -143,19 +152,6 @@ def compute_image_id(record: ImageRecord) -> ImageId:
     return ImageId(hashlib.sha256(data).hexdigest(), height, width)
 
 
-def _write_atomically(path: Path, write) -> None:
-    """``write(tmp_path)``, flush to disk, then rename to ``path`` (a reader sees all or none)."""
-    tmp = path.with_name(f".tmp-{path.name}.partial")  # matches no reader's pattern
-    write(tmp)
-    with open(tmp, "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _stamped_name(prefix: str, rank: int, suffix: str) -> str:
-    return f"{prefix}-{time.strftime('%Y%m%d%H%M%S')}-r{rank}-{uuid.uuid4().hex[:8]}{suffix}"
-
-
 class ImageIds:
     """Memoised content ids of images (``images/*.jsonl`` in the cache folder)."""
 
@@ -197,96 +193,10 @@ class ImageIds:
             json.dumps({"identity": identity, **image_id.__dict__})
             for identity, image_id in self.new.items()
         ]
-        path = self.folder / _stamped_name("ids", rank, ".jsonl")
-        _write_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+        path = self.folder / stamped_name("ids", rank, ".jsonl")
+        write_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
         self.known.update(self.new)
         self.new = {}
-
-
-class ShardStore:
-    """The cache's shards: which tensor lives in which file, and reading tensors lazily.
-
-    Opened handles are per process and never pickled, so a store can go to loader workers.
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.folder = Path(root) / "shards"
-        self.shards: list[Path] = []
-        self.where: dict[str, int] = {}
-        self.corrupt: list[Path] = []
-        self._handles: dict[int, object] = {}
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Index every complete shard (new ones included); set corrupt ones aside."""
-        known = set(self.shards)
-        for path in sorted(self.folder.glob("*.safetensors")):
-            if path in known or path.name.startswith("."):
-                continue
-            try:
-                with safe_open(str(path), "pt") as handle:
-                    names = list(handle.keys())
-            except (SafetensorError, OSError) as error:
-                self._set_aside(path, error)
-                continue
-            number = len(self.shards)
-            self.shards.append(path)
-            for name in names:
-                self.where[name] = number
-
-    def _set_aside(self, path: Path, error: Exception) -> None:
-        logger.warning(
-            "cache: shard %s is damaged (%s); its entries will be re-encoded", path, error
-        )
-        self.corrupt.append(path)
-        try:
-            os.replace(path, path.with_suffix(".corrupt"))
-        except OSError:
-            pass  # another rank moved it first
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    def get(self, name: str) -> Tensor:
-        """The stored tensor ``name`` (KeyError if absent)."""
-        number = self.where[name]
-        handle = self._handles.get(number)
-        if handle is None:
-            handle = self._handles[number] = safe_open(str(self.shards[number]), "pt")
-        return handle.get_tensor(name)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_handles": {}}
-
-
-class ShardWriter:
-    """Collects tensors and writes them as immutable shards of about ``max_bytes``."""
-
-    def __init__(self, root: Path, kind: str, rank: int, max_bytes: int) -> None:
-        self.folder = Path(root) / "shards"
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.kind, self.rank, self.max_bytes = kind, rank, max_bytes
-        self.pending: dict[str, Tensor] = {}
-        self.pending_bytes = 0
-        self.written: list[Path] = []
-        for stale in self.folder.glob(f".tmp-{kind}-*-r{rank}-*.partial"):
-            stale.unlink(missing_ok=True)  # this rank's leftovers from a crash
-
-    def add(self, tensors: dict[str, Tensor]) -> None:
-        for name, tensor in tensors.items():
-            self.pending[name] = tensor.detach().cpu().contiguous()
-            self.pending_bytes += tensor.numel() * tensor.element_size()
-        if self.pending_bytes >= self.max_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        path = self.folder / _stamped_name(self.kind, self.rank, ".safetensors")
-        pending = self.pending
-        _write_atomically(path, lambda tmp: save_file(pending, str(tmp)))
-        self.written.append(path)
-        self.pending, self.pending_bytes = {}, 0
 
 
 @dataclass
@@ -321,8 +231,10 @@ class CachedEncodings:
             mean, std = self.store.get(f"{key}.mean"), self.store.get(f"{key}.std")
         except KeyError:
             return "not in the cache (run `impasto cache CONFIG`)"
-        except (SafetensorError, OSError) as error:
-            return f"cache shard unreadable ({error})"
+        except DamagedEntry as error:
+            return f"{error}; left out, the next cache fill encodes it again"
+        except SHARD_ERRORS as error:
+            return f"cache shard unreadable ({error_reason(error)})"
         height, width = params.target_size
         factor = self.downsample
         expected = (self.latent_channels, height // factor, width // factor)
@@ -331,11 +243,12 @@ class CachedEncodings:
         return mean, std
 
     def prompt(self, caption: str) -> tuple[Tensor, Tensor] | None:
-        """``(prompt_embeds [77, D], pooled [P])`` of ``caption``, or None if not cached."""
+        """``(prompt_embeds [77, D], pooled [P])`` of ``caption``, or None if not cached (or
+        damaged: the caption is then encoded on the fly, and the next fill encodes it again)."""
         key = text_key(caption, self.text_fingerprint, self.dtype)
         try:
             return self.store.get(f"{key}.embeds"), self.store.get(f"{key}.pooled")
-        except (KeyError, SafetensorError, OSError):
+        except (KeyError, *SHARD_ERRORS):
             return None
 
 

@@ -35,6 +35,7 @@ from impasto.data.cache import (
     text_key,
     tokenizer_fingerprint,
 )
+from impasto.data.cache_shards import verify_shards
 from impasto.data.captions import caption_tools_from
 from impasto.data.folder import ImageRecord
 from impasto.data.transforms import IMAGE_LOAD_ERRORS
@@ -55,6 +56,7 @@ class CacheReport:
     texts_found: int = 0
     unreadable: list[str] = field(default_factory=list)
     damaged_shards: list[str] = field(default_factory=list)
+    unchecked_shards: int = 0
     seconds: float = 0.0
 
     def format(self) -> str:
@@ -66,6 +68,10 @@ class CacheReport:
         if self.damaged_shards:
             lines.append(f"cache: set aside {len(self.damaged_shards)} damaged shard(s), "
                          f"re-encoded their entries: {', '.join(self.damaged_shards)}")  # fmt: skip
+        if self.unchecked_shards:
+            lines.append(f"cache: {self.unchecked_shards} shard(s) were written without checksums "
+                         "(an older impasto) and are read unchecked; delete them to encode their "
+                         "entries again with checksums")  # fmt: skip
         for name in self.unreadable:
             lines.append(f"cache: unreadable, left out: {name}")
         return "\n".join(lines)
@@ -257,6 +263,9 @@ def fill_cache(
     root.mkdir(parents=True, exist_ok=True)
     report = CacheReport(images=len(records))
     report.unreadable = [str(r.image_path) for r, i in zip(records, ids, strict=True) if i is None]
+    # Damaged shards are set aside first, so that their entries count as missing on every rank.
+    damaged = verify_shards(root, rank, world)
+    barrier()
     store = ShardStore(root)
     # Every rank splits the missing entries by the same list, so all must scan the shards
     # before any rank writes new ones.
@@ -271,7 +280,9 @@ def fill_cache(
         fill.text(training_captions(config, records), text_fp, autocast)
     barrier()
     store.refresh()
-    report.damaged_shards = [path.name for path in store.corrupt]
+    damaged += [path.name for path in store.corrupt]
+    report.damaged_shards = sorted({name for part in gather_to_all(damaged) for name in part})
+    report.unchecked_shards = len(store.unchecked)
     report.unreadable = sorted(set(report.unreadable))
     report.seconds = time.perf_counter() - started
     channels, downsample = backbone.latent_format()

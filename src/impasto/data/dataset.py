@@ -20,6 +20,7 @@ from impasto.data.captions import CaptionTools
 from impasto.data.folder import ImageRecord
 from impasto.data.sampler import BatchPosition
 from impasto.data.seeding import derive_seed
+from impasto.data.skips import Skipped, error_reason
 from impasto.data.transforms import IMAGE_LOAD_ERRORS, get_crop_offsets
 
 logger = logging.getLogger(__name__)
@@ -57,15 +58,6 @@ class Example:
     latent_std: torch.Tensor | None = None
     prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """An example that could not be loaded: which one, and why."""
-
-    index: int
-    name: str
-    reason: str
 
 
 class ImageCaptionDataset(Dataset):
@@ -158,7 +150,7 @@ class ImageCaptionDataset(Dataset):
                     params = self.transform.params(image.height, image.width, bucket, generator)
                     pixel_values = apply_bucket_transform(image, params)
             except IMAGE_LOAD_ERRORS as error:
-                return self.skip(index, f"unreadable image ({error})")
+                return self.skip(index, f"unreadable image: {error_reason(error)}")
         caption = self.caption(record.caption, epoch, index, generator)
         prompt = None
         if self.cache is not None and self.cache.text_fingerprint is not None:
@@ -208,7 +200,8 @@ class Batch:
         crop_top_lefts: int64 ``[B, 2]`` of ``(top, left)``.
         target_sizes: int64 ``[B, 2]``: ``(R, R)``, or the batch's bucket ``(height, width)``.
         indices: int64 ``[B]`` dataset indices, for logging and debugging.
-        num_bad: examples of this batch dropped as unusable.
+        num_bad: examples of this batch dropped as unusable (the run's data stream keeps only
+            the items it had not met before: each bad item counts once; ``skipped`` likewise).
         position: where this batch sits in the run; equals ``sampler.position`` before the
             trainer's ``advance()`` for it. ``None`` if the keys had no batch position.
         loss_weights: float32 ``[B]`` per-sample loss weights (e.g. tag frequency), or ``None``.

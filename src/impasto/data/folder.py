@@ -4,6 +4,10 @@ A folder's captions are same-stem sidecars: ``.txt``, else ``.caption``, else ``
 ``caption`` or ``text`` string, or its ``tags`` list joined with ", "). A manifest is a JSONL
 or CSV file with one row per image: ``image`` (a path, relative to the manifest's folder or
 absolute), and optionally ``caption`` and ``weight``.
+
+One bad item never stops a scan: an image whose caption file cannot be read, or a manifest row
+that is not usable, is left out and returned as a :class:`~impasto.data.skips.Skipped` in the
+:class:`Scan` (:func:`scan_folder`, :func:`scan_manifest`), for the run's bad-data report.
 """
 
 from __future__ import annotations
@@ -11,12 +15,18 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from PIL import Image
+
+from impasto.data.skips import SCANNED, Skipped, UnreadableSource, error_reason
+
+logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
 """Lower-case suffixes accepted as images; matching ignores case (``.PNG`` works too)."""
@@ -68,22 +78,47 @@ def is_image_path(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS
 
 
+@dataclass
+class Scan:
+    """What reading a source found: its records, and the items it left out with the reason
+    (each named once)."""
+
+    records: list[ImageRecord] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def skip(self, name: str | Path, reason: str) -> None:
+        self.skipped.append(Skipped(SCANNED, str(name), reason))
+
+    def logged_records(self) -> list[ImageRecord]:
+        """The records, after a warning for each item left out (for callers that keep no
+        report)."""
+        for item in self.skipped:
+            logger.warning("data: left out %s: %s", item.name, item.reason)
+        return self.records
+
+
 CAPTION_SUFFIXES = (".txt", ".caption", ".json")
+
+
+class CaptionError(ValueError):
+    """A caption file that exists but cannot be used; ``reason`` names it and the problem."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        self.reason = f"caption file {path.name} {problem}"
+        super().__init__(f"data: caption file {path} {problem}")
 
 
 def _json_caption(path: Path) -> str:
     try:
         data = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as error:
-        raise ValueError(f"data: caption file {path} is not valid JSON ({error.msg})") from None
+        raise CaptionError(path, f"is not valid JSON ({error.msg})") from None
     if isinstance(data, dict):
         if isinstance(data.get("caption") or data.get("text"), str):
             return (data.get("caption") or data.get("text")).strip()
         if isinstance(data.get("tags"), list):
             return ", ".join(str(tag).strip() for tag in data["tags"])
-    raise ValueError(
-        f"data: caption file {path} has no 'caption' or 'text' string nor a 'tags' list"
-    )
+    raise CaptionError(path, "has no 'caption' or 'text' string nor a 'tags' list")
 
 
 def read_caption(image_path: Path) -> str:
@@ -92,19 +127,26 @@ def read_caption(image_path: Path) -> str:
     The first that exists wins. Text is decoded as UTF-8 (a leading byte-order mark is dropped)
     and stripped of surrounding whitespace. No caption file gives ``""``, which trains the
     unconditional branch for that image.
+
+    Raises:
+        CaptionError: the caption file is not UTF-8, not valid JSON, a folder, or unreadable.
     """
     for suffix in CAPTION_SUFFIXES:
         caption_path = image_path.with_suffix(suffix)
-        if not caption_path.is_file():
+        if not caption_path.exists():
             continue
-        if suffix == ".json":
-            return _json_caption(caption_path)
+        if not caption_path.is_file():
+            raise CaptionError(caption_path, "is not a file")
         try:
+            if suffix == ".json":
+                return _json_caption(caption_path)
             return caption_path.read_text(encoding="utf-8-sig").strip()
-        except UnicodeDecodeError:
-            raise ValueError(
-                f"data: caption file {caption_path} is not valid UTF-8; re-save it as UTF-8"
+        except UnicodeDecodeError as error:
+            raise CaptionError(
+                caption_path, f"is {error_reason(error)}; re-save it as UTF-8"
             ) from None
+        except OSError as error:
+            raise CaptionError(caption_path, f"cannot be read ({error_reason(error)})") from None
     return ""
 
 
@@ -116,7 +158,12 @@ def _is_hidden(relative_path: Path) -> bool:
 def scan_image_folder(
     root: Path, subfolders: Mapping[str, tuple[int, float]] | None = None
 ) -> list[ImageRecord]:
-    """List every image under ``root`` (recursively) with its caption.
+    """:func:`scan_folder`'s records; each image left out is logged as a warning."""
+    return scan_folder(root, subfolders).logged_records()
+
+
+def scan_folder(root: Path, subfolders: Mapping[str, tuple[int, float]] | None = None) -> Scan:
+    """Every image under ``root`` (recursively) with its caption.
 
     Images are files whose suffix is in :data:`IMAGE_EXTENSIONS`, in any letter case. Files and
     folders whose name starts with ``.`` are skipped. The order is sorted by the path relative
@@ -130,7 +177,9 @@ def scan_image_folder(
             carry loss weight ``weight`` (kohya's ``N_name`` folders, made explicit).
 
     Returns:
-        One :class:`ImageRecord` per image (and repeat), sorted by relative path.
+        One :class:`ImageRecord` per image (and repeat), sorted by relative path; an image
+        whose caption file cannot be read (not UTF-8, not JSON, a folder) is left out and
+        named in ``skipped`` with the reason.
 
     Raises:
         ValueError: ``root`` does not exist, is not a folder, or holds no images.
@@ -158,55 +207,90 @@ def scan_image_folder(
             f"data.subfolders: {root} has no subfolder {missing[0]!r} with images; "
             f"subfolders with images: {', '.join(sorted(present)) or 'none'}"
         )
-    records = []
+    scan = Scan()
     for relative in relative_paths:
-        record = ImageRecord(image_path=root / relative, caption=read_caption(root / relative))
+        try:
+            caption = read_caption(root / relative)
+        except CaptionError as error:
+            scan.skip(root / relative, error.reason)
+            continue
         repeats, weight = (
             subfolders.get(relative.parts[0], (1, 1.0)) if len(relative.parts) > 1 else (1, 1.0)
         )
-        records.extend([replace(record, weight=weight)] * repeats)
-    return records
+        scan.records.extend([ImageRecord(root / relative, caption, weight)] * repeats)
+    return scan
 
 
 def read_manifest(path: Path) -> list[ImageRecord]:
+    """:func:`scan_manifest`'s records; each row left out is logged as a warning."""
+    return scan_manifest(path).logged_records()
+
+
+def row_weight(raw_weight: object) -> float:
+    """A manifest row's loss weight (1 when empty); ``ValueError`` (the reason) when it is not
+    a finite number > 0."""
+    try:
+        weight = 1.0 if raw_weight in (None, "") else float(raw_weight)
+    except (TypeError, ValueError):
+        raise ValueError(f"weight {raw_weight!r} is not a number") from None
+    if not 0 < weight < math.inf:
+        raise ValueError(f"weight must be > 0 and finite, got {weight}")
+    return weight
+
+
+def _manifest_rows(path: Path) -> list[tuple[str, object]]:
+    """``(where, row)`` for each row: ``line N`` of a JSONL file (a line that is not JSON is
+    its ``ValueError``), ``row N`` of a CSV file."""
+    try:
+        if path.suffix == ".jsonl":
+            lines = enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1)
+            rows = []
+            for number, line in lines:
+                if line.strip():
+                    try:
+                        rows.append((f"line {number}", json.loads(line)))
+                    except json.JSONDecodeError as error:
+                        rows.append((f"line {number}", ValueError(f"not JSON ({error.msg})")))
+            return rows
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            return [(f"row {n}", row) for n, row in enumerate(csv.DictReader(handle), 1)]
+    except (UnicodeDecodeError, OSError, csv.Error) as error:
+        raise UnreadableSource(str(path), f"cannot be read ({error_reason(error)})") from None
+
+
+def scan_manifest(path: Path) -> Scan:
     """The rows of a JSONL (``.jsonl``) or CSV (``.csv``) manifest (module docstring).
 
-    A row without ``image``, a bad line, a non-positive weight or an unknown suffix is a
-    one-line error naming the file and row.
+    A row without ``image``, a line that is not JSON, or a weight that is not a number > 0 is
+    left out and named (``file line N`` / ``file row N``) in ``skipped`` with the reason.
+
+    Raises:
+        ValueError: no such file, an unknown suffix, or no usable rows;
+            :class:`~impasto.data.skips.UnreadableSource` when the file does not decode.
     """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"data: manifest {path} does not exist; check data.path")
-    if path.suffix == ".jsonl":
-        rows = []
-        for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"data: {path} line {number}: not JSON ({error.msg})") from None
-    elif path.suffix == ".csv":
-        with path.open(newline="", encoding="utf-8-sig") as handle:
-            rows = list(csv.DictReader(handle))
-    else:
+    if path.suffix not in (".jsonl", ".csv"):
         raise ValueError(f"data: manifest {path} must be .jsonl or .csv")
-    records = []
-    for number, row in enumerate(rows, 1):
+    scan = Scan()
+    for where, row in _manifest_rows(path):
+        name = f"{path} {where}"
+        if isinstance(row, ValueError):
+            scan.skip(name, str(row))
+            continue
         if not isinstance(row, dict) or not row.get("image"):
-            raise ValueError(f"data: {path} row {number}: no 'image' field")
-        raw_weight = row.get("weight")
+            scan.skip(name, "no 'image' field")
+            continue
         try:
-            weight = 1.0 if raw_weight in (None, "") else float(raw_weight)
-        except ValueError:
-            raise ValueError(
-                f"data: {path} row {number}: weight {raw_weight!r} is not a number"
-            ) from None
-        if weight <= 0:
-            raise ValueError(f"data: {path} row {number}: weight must be > 0, got {weight}")
+            weight = row_weight(row.get("weight"))
+        except ValueError as error:
+            scan.skip(name, str(error))
+            continue
         image = Path(row["image"])
         image = image if image.is_absolute() else path.parent / image
-        records.append(ImageRecord(image, str(row.get("caption") or "").strip(), weight))
-    if not records:
-        raise ValueError(f"data: manifest {path} has no rows")
-    return records
+        scan.records.append(ImageRecord(image, str(row.get("caption") or "").strip(), weight))
+    if not scan.records:
+        reason = f" ({scan.skipped[0].name}: {scan.skipped[0].reason})" if scan.skipped else ""
+        raise ValueError(f"data: manifest {path} has no usable rows{reason}")
+    return scan

@@ -11,101 +11,48 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from impasto.data import Batch, ImageRecord, build_dataloader, scan_image_folder, training_sampler
+from impasto.data import Batch, ImageRecord, build_dataloader, training_sampler
 from impasto.data.buckets import assign_image_buckets, buckets_from
 from impasto.data.cache import CachedEncodings
 from impasto.data.cache_fill import CacheReport, fill_cache, identify_images
 from impasto.data.captions import caption_tools_from, tag_frequency_weights
-from impasto.data.dataset import Skipped
-from impasto.data.demo import write_demo_dataset
-from impasto.data.folder import read_manifest
-from impasto.data.prompts import read_prompts
+from impasto.data.records import (
+    SOURCE_READERS,
+    check_bad_fraction,
+    load_records,
+    num_items,
+    print_left_out,
+    scan_sources,
+    shard_index_dir,
+)
 from impasto.data.sampler import ResumableBatchSampler
-from impasto.data.sources import hf_dataset_records, parquet_records, webdataset_records
-from impasto.distributed import RunGroup, barrier, process_group
+from impasto.data.skips import BAD_DATA_FILE, SCANNED, BadDataLog, Skipped, distinct
+from impasto.distributed import RunGroup, process_group
 from impasto.precision import autocast_factory, resolve_device, resolve_precision
 
 Bucket = tuple[int, int]
 
-
-def load_records(config: Any, main: bool = True) -> list[ImageRecord]:
-    """Every source's records, each repeated ``repeats`` times with its ``loss_weight``, then
-    the images without a caption left out (``data.missing_captions: skip``), counted and named.
-    ``main``: this process writes the demo dataset when it is missing (the other ranks of a
-    run wait for it)."""
-    data = config.data
-    if main and data.generate_demo and not Path(data.path).exists():
-        count = write_demo_dataset(
-            Path(data.path), data.demo_num_images, data.resolution, seed=config.train.seed
-        )
-        print(f"impasto: wrote {count} demo images to {data.path}")
-    barrier()
-    if data.prompts is not None:
-        return read_prompts(data.prompts)
-    records = []
-    for source in data.source_list():
-        found = SOURCE_READERS[source.source](source, shard_index_dir(config))
-        if source.loss_weight != 1.0:
-            found = [replace(record, weight=record.weight * source.loss_weight) for record in found]
-        records.extend(record for record in found for _ in range(source.repeats))
-    if data.missing_captions == "skip":
-        records = skip_uncaptioned(records, data.max_bad_fraction)
-    return records
-
-
-def shard_index_dir(config: Any) -> Path:
-    """``data.index_dir``, or ``$XDG_CACHE_HOME/impasto/shards`` (``~/.cache/...``)."""
-    if config.data.index_dir:
-        return Path(config.data.index_dir)
-    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache_home) / "impasto" / "shards"
-
-
-def _folder_records(source: Any, index_dir: Path) -> list[ImageRecord]:
-    subfolders = {name: (sub.repeats, sub.weight) for name, sub in source.subfolders.items()}
-    return scan_image_folder(Path(source.path), subfolders)
-
-
-def _manifest_records(source: Any, index_dir: Path) -> list[ImageRecord]:
-    path = Path(source.path)
-    return parquet_records(path) if path.suffix == ".parquet" else read_manifest(path)
-
-
-SOURCE_READERS = {
-    "folder": _folder_records,
-    "manifest": _manifest_records,
-    "webdataset": lambda source, index_dir: webdataset_records(source.path, index_dir),
-    "hf": lambda source, index_dir: hf_dataset_records(
-        source.path, source.split, source.image_column, source.caption_column
-    ),
-}
-
-
-def skip_uncaptioned(records: list[ImageRecord], max_bad_fraction: float) -> list[ImageRecord]:
-    """The records with a caption; the others are named (the first 20) and counted, and more
-    than ``max_bad_fraction`` of them stops the run."""
-    missing = sorted({str(record.image_path) for record in records if not record.caption})
-    if not missing:
-        return records
-    kept = [record for record in records if record.caption]
-    named = ", ".join(missing[:20])
-    if len(missing) > 20:
-        named += f" and {len(missing) - 20} more"
-    print(f"impasto: left out {len(missing)} images without a caption: {named}")
-    fraction = (len(records) - len(kept)) / len(records)
-    if fraction > max_bad_fraction:
-        raise ValueError(
-            f"data: {len(missing)} images have no caption ({fraction:.0%} of the samples > "
-            f"data.max_bad_fraction "
-            f"{max_bad_fraction}); add captions, or set data.missing_captions: empty"
-        )
-    return kept
+__all__ = [
+    "BAD_DATA_FILE",
+    "SOURCE_READERS",
+    "BadDataLog",
+    "DataStream",
+    "PromptStream",
+    "RunData",
+    "cache_data",
+    "count_total_steps",
+    "load_records",
+    "place_in_buckets",
+    "prepare_run_data",
+    "record_loss_weights",
+    "shard_index_dir",
+]
 
 
 def place_in_buckets(
@@ -116,16 +63,26 @@ def place_in_buckets(
     The bucket report (images per bucket, and every image that could not be placed with the
     reason) is printed and saved to ``RUN/buckets.txt`` (with a ``run_dir``) before training.
     """
+    return bucket_placement(config, records, run_dir)[0]
+
+
+def bucket_placement(
+    config: Any, records: list[ImageRecord], run_dir: Path | None
+) -> tuple[list[Bucket | None] | None, list[Skipped]]:
+    """:func:`place_in_buckets`, and the images left out because their header does not read
+    (they are never loaded, so the run's bad-data report learns of them here)."""
     buckets = buckets_from(config.data)
     if buckets is None:
-        return None
+        return None, []
     bucket_of, bucket_report = assign_image_buckets(records, buckets, config.data.bucket_no_upscale)
     text = bucket_report.format()
     if run_dir is not None:
         (run_dir / "buckets.txt").write_text(text + "\n", encoding="utf-8")
     print(f"impasto: aspect buckets ({run_dir / 'buckets.txt' if run_dir else 'not saved'}):")
     print(text)
-    return bucket_of
+    unplaced = bucket_report.unplaced
+    left_out = [Skipped(SCANNED, name, unplaced[name]) for name in bucket_report.unreadable]
+    return bucket_of, left_out
 
 
 def record_loss_weights(config: Any, records: list[ImageRecord]) -> list[float] | None:
@@ -148,7 +105,13 @@ def count_total_steps(
     config: Any, num_images: int, bucket_of: list[Bucket | None] | None = None, world: int = 1
 ) -> int:
     """Optimizer steps of the run: ``train.max_steps``, capped by ``train.max_epochs`` (a step
-    takes ``grad_accum_steps`` batches on each of ``world`` ranks)."""
+    takes ``grad_accum_steps`` batches on each of ``world`` ranks).
+
+    Raises ``ValueError`` when one micro-step (``data.batch_size`` on each of ``world`` ranks)
+    would need more images than there are to train on (every image would be repeated many
+    times in each batch: a typo such as ``batch_size: 10000000`` would hang the loader).
+    """
+    check_batch_size(config.data.batch_size, world, num_images, bucket_of)
     sampler = training_sampler(
         num_images, config.data.batch_size, config.train.seed, (0, 0), bucket_of
     )
@@ -163,6 +126,27 @@ def count_total_steps(
     return int(total)
 
 
+def check_batch_size(
+    batch_size: int, world: int, num_images: int, bucket_of: list[Bucket | None] | None = None
+) -> None:
+    """One-line ``ValueError`` when ``batch_size × world`` exceeds the usable images: the
+    records (repeats included), less those no bucket takes. A bucket smaller than a batch is
+    filled with its own images again, so only the total counts."""
+    usable = num_images if bucket_of is None else sum(bucket is not None for bucket in bucket_of)
+    if batch_size * world <= usable:
+        return
+    ranks = f" x {world} ranks = {batch_size * world}" if world > 1 else ""
+    fix = (
+        f"set data.batch_size to at most {usable // world}"
+        if usable >= world
+        else "use fewer ranks"
+    )
+    raise ValueError(
+        f"data.batch_size: {batch_size}{ranks} images per micro-step is more than the {usable} "
+        f"usable images (after repeats and bucket placement); {fix}, or add images"
+    )
+
+
 class DataStream:
     """The run's micro-batches in the exact resumable order; its state is the sampler's
     position (the next batch not consumed yet), so it is one of the checkpoint's Stateful
@@ -172,6 +156,11 @@ class DataStream:
     base seed from torch's global generator. A resumed run must not draw it twice for one
     epoch: :meth:`load_state_dict` starts a mid-epoch iterator at once, before the checkpoint
     restores the global generators (which already hold that epoch's draw).
+
+    An unusable item counts once (issue #16): a batch's ``num_bad`` and ``skipped`` hold only
+    the items this stream has not met before (``known_bad``: those left out before training),
+    so a bad file met again in a later epoch, or as a repeat, is not reported again by this
+    process; the trainer's checkpointed counters dedup across ranks and resumes.
     """
 
     def __init__(
@@ -183,6 +172,7 @@ class DataStream:
         cache: CachedEncodings | None = None,
         rank: int = 0,
         world: int = 1,
+        known_bad: set[str] | None = None,
     ) -> None:
         data = config.data
         self.loader, self.sampler = build_dataloader(
@@ -201,6 +191,7 @@ class DataStream:
             rank=rank,
             world_size=world,
         )
+        self.known_bad = set(known_bad or ())
         self._iterator = None
 
     @property
@@ -217,7 +208,15 @@ class DataStream:
             self._iterator = iter(self.loader)
             batch = next(self._iterator)
         self.sampler.advance()
-        return batch
+        return self.first_meetings(batch)
+
+    def first_meetings(self, batch: Batch) -> Batch:
+        """``batch`` with ``skipped`` and ``num_bad`` cut to the items not met before."""
+        if not batch.skipped:
+            return batch
+        new = [item for item in distinct(batch.skipped) if item.name not in self.known_bad]
+        self.known_bad.update(item.name for item in new)
+        return replace(batch, num_bad=len(new), skipped=tuple(new))
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()
@@ -268,38 +267,17 @@ class PromptStream:
         self.sampler.load_state_dict(state)
 
 
-BAD_DATA_FILE = "bad-data.tsv"
-
-
-class BadDataLog:
-    """The images a run skipped, one ``name<TAB>reason`` line each (``RUN/bad-data.tsv``),
-    appended as they are met, kept across resumes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.names = set()
-        if path.exists():
-            lines = path.read_text(encoding="utf-8").splitlines()
-            self.names = {line.split("\t")[0] for line in lines}
-
-    def record(self, skipped: Sequence[Skipped]) -> None:
-        new = [item for item in skipped if item.name not in self.names]
-        if not new:
-            return
-        with self.path.open("a", encoding="utf-8") as handle:
-            for item in new:
-                handle.write(f"{item.name}\t{item.reason}\n")
-                self.names.add(item.name)
-
-
 @dataclass
 class RunData:
-    """A run's data: its records, stream of micro-batches and length in optimizer steps."""
+    """A run's data: its records, stream of micro-batches and length in optimizer steps; the
+    bad-data report, and the items left out while the sources were read (``scan_skipped``:
+    already in the report, never in a batch; each counts as one unusable image)."""
 
     records: list[ImageRecord]
     stream: DataStream | PromptStream
     total_steps: int
     bad_data: BadDataLog
+    scan_skipped: list[Skipped] = field(default_factory=list)
 
 
 def prepare_run_data(
@@ -315,19 +293,28 @@ def prepare_run_data(
 
     ``images``: the method trains on images (else a :class:`PromptStream`, opening none).
     ``group``: this process's rank in a parallel run (it loads its share of every step, and
-    fills its share of the cache); rank 0 alone writes the reports.
+    fills its share of the cache); rank 0 alone writes the reports. Items left out while the
+    sources were read go to ``RUN/bad-data.tsv`` before training; more than
+    ``data.max_bad_fraction`` of them stops the run here.
     """
     group = group or RunGroup()
     rank, world = group.rank, group.world
-    records = load_records(config, group.is_main)
+    scan = scan_sources(config, group.is_main)
     bad_data = BadDataLog(run_dir / BAD_DATA_FILE)
+    records = scan.records
     if not images:
+        left_out = report_left_out(config, bad_data, scan.skipped, records, group.is_main)
         total = count_total_steps(config, len(records), world=world)
-        return RunData(records, PromptStream(config, records, rank, world), total, bad_data)
+        stream = PromptStream(config, records, rank, world)
+        return RunData(records, stream, total, bad_data, left_out)
     image_ids, encodings = None, None
     if config.cache.on_disk:
         records, image_ids = identify_images(config, records, rank, world)
-    bucket_of = place_in_buckets(config, records, run_dir if group.is_main else None)
+    bucket_of, unreadable = bucket_placement(config, records, run_dir if group.is_main else None)
+    unplaced = {item.name for item in unreadable}
+    usable = [record for record in records if str(record.image_path) not in unplaced]
+    skipped = scan.skipped + unreadable
+    left_out = report_left_out(config, bad_data, skipped, usable, group.is_main)
     total = count_total_steps(config, len(records), bucket_of, world)
     if config.cache.on_disk:
         encodings, report = fill_cache(
@@ -335,8 +322,27 @@ def prepare_run_data(
         )
         print(f"impasto: {report.format()}")
     weights = record_loss_weights(config, records)
-    stream = DataStream(config, records, bucket_of, weights, encodings, rank, world)
-    return RunData(records, stream, total, bad_data)
+    known_bad = {item.name for item in left_out}  # (not the report: it may run ahead of a
+    # resumed checkpoint; the trainer's counters dedup across epochs, ranks and resumes)
+    stream = DataStream(config, records, bucket_of, weights, encodings, rank, world, known_bad)
+    return RunData(records, stream, total, bad_data, left_out)
+
+
+def report_left_out(
+    config: Any,
+    bad_data: BadDataLog,
+    skipped: list[Skipped],
+    usable: Sequence[ImageRecord],
+    main: bool,
+) -> list[Skipped]:
+    """Add the items left out before training to the bad-data report (``main``: rank 0 writes
+    it), say so on the console, and stop when they are more than ``data.max_bad_fraction``."""
+    skipped = distinct(skipped)
+    bad_data.record(skipped, write=main)
+    if main:
+        print_left_out(skipped, bad_data.path)
+    check_bad_fraction(skipped, num_items(usable), config.data.max_bad_fraction, bad_data.path)
+    return skipped
 
 
 def cache_data(config: Any) -> CacheReport:

@@ -12,7 +12,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from impasto.data.folder import ImageRecord
+from impasto.data.folder import ImageRecord, Scan, row_weight
+from impasto.data.skips import UnreadableSource, error_reason
 from impasto.data.sources._common import _image_size
 
 logger = logging.getLogger(__name__)
@@ -51,38 +52,32 @@ class ParquetRowBlob:
         return data
 
 
-def _row_weight(raw_weight: Any, where: str) -> float:
-    """A manifest row's loss weight (1 when empty); the same rules as ``read_manifest``."""
-    try:
-        weight = 1.0 if raw_weight in (None, "") else float(raw_weight)
-    except (TypeError, ValueError):
-        raise ValueError(f"data: {where}: weight {raw_weight!r} is not a number") from None
-    if not weight > 0:
-        raise ValueError(f"data: {where}: weight must be > 0, got {weight}")
-    return weight
-
-
 def _parquet_record(
     path: Path, row: dict[str, Any], number: int, blob: ParquetRowBlob
 ) -> ImageRecord:
-    where = f"{path} row {number}"
+    """The record of row ``number``; ``ValueError`` (the reason) when the row is unusable."""
     image = row["image"]
     if isinstance(image, dict):  # a Hugging Face Image struct {"bytes": ..., "path": ...}
         image = image.get("bytes") or image.get("path")
     if not image:
-        raise ValueError(f"data: {where}: no 'image' field")
+        raise ValueError("no 'image' field")
     caption = str(row.get("caption") or "").strip()
-    weight = _row_weight(row.get("weight"), where)
+    weight = row_weight(row.get("weight"))
     if isinstance(image, bytes):
         name = f"{path.name}/row-{number}"
         return ImageRecord(name, caption, weight, blob=blob, size=_image_size(image))
     if not isinstance(image, str):
-        raise ValueError(f"data: {where}: 'image' is {type(image).__name__}, not a path or bytes")
+        raise ValueError(f"'image' is {type(image).__name__}, not a path or bytes")
     image_path = Path(image) if Path(image).is_absolute() else path.parent / image
     return ImageRecord(image_path, caption, weight)
 
 
 def parquet_records(path: Path) -> list[ImageRecord]:
+    """:func:`parquet_scan`'s records; each row left out is logged as a warning."""
+    return parquet_scan(path).logged_records()
+
+
+def parquet_scan(path: Path) -> Scan:
     """The rows of a Parquet manifest, in row order.
 
     Columns: ``image`` (a path relative to the file's folder or absolute, image bytes, or a
@@ -90,9 +85,13 @@ def parquet_records(path: Path) -> list[ImageRecord]:
     Images stored as bytes are read back one row at a time (:class:`ParquetRowBlob`), which
     reads the row's whole row group: write such files with small row groups.
 
+    A row without an image, or with a weight that is not a number > 0, is left out and named
+    (``file.parquet row N``, rows count from 1) in ``skipped`` with the reason; so are the rows
+    of a row group that does not decode.
+
     Raises:
-        ValueError: no file, no ``image`` column, or a row without an image or with a bad
-            weight (the messages of ``read_manifest``; rows count from 1).
+        ValueError: no file, no ``image`` column, or no usable rows.
+        UnreadableSource: the file is not a readable Parquet file.
     """
     path = Path(path)
     if not path.is_file():
@@ -100,19 +99,37 @@ def parquet_records(path: Path) -> list[ImageRecord]:
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as error:
-        raise ValueError(f"data: {path} is not a Parquet file ({error})") from None
+        reason = f"is not a readable Parquet file ({error_reason(error)})"
+        raise UnreadableSource(str(path), reason) from None
     names = parquet.schema_arrow.names
     if "image" not in names:
         raise ValueError(f"data: {path} has no 'image' column; its columns: {', '.join(names)}")
     columns = [name for name in ("image", "caption", "weight") if name in names]
-    records = []
+    scan, number = Scan(), 0
     for group in range(parquet.num_row_groups):
-        rows = parquet.read_row_group(group, columns=columns).to_pylist()
+        try:
+            rows = parquet.read_row_group(group, columns=columns).to_pylist()
+        except (pa.ArrowException, OSError) as error:
+            count = parquet.metadata.row_group(group).num_rows
+            reason = f"row group {group} does not decode ({error_reason(error)})"
+            scan.skip(f"{path} rows {number + 1}-{number + count}", reason)
+            number += count
+            continue
         for row_in_group, row in enumerate(rows):
+            number += 1
             blob = ParquetRowBlob(str(path.resolve()), group, row_in_group)
-            records.append(_parquet_record(path, row, len(records) + 1, blob))
-    if not records:
-        raise ValueError(f"data: parquet manifest {path} has no rows")
+            try:
+                scan.records.append(_parquet_record(path, row, number, blob))
+            except ValueError as error:
+                scan.skip(f"{path} row {number}", str(error))
+    if not scan.records:
+        reason = f" ({scan.skipped[0].name}: {scan.skipped[0].reason})" if scan.skipped else ""
+        raise ValueError(f"data: parquet manifest {path} has no usable rows{reason}")
+    _warn_large_row_groups(path, parquet, scan.records)
+    return scan
+
+
+def _warn_large_row_groups(path: Path, parquet: pq.ParquetFile, records: list[ImageRecord]) -> None:
     largest = max(
         parquet.metadata.row_group(g).total_byte_size for g in range(parquet.num_row_groups)
     )
@@ -123,4 +140,3 @@ def parquet_records(path: Path) -> list[ImageRecord]:
             path,
             largest >> 20,
         )
-    return records

@@ -1,5 +1,9 @@
 """Webdataset tar shards: shard URLs, the per-shard index, and blobs that read byte ranges
-(docs/data-sources.md)."""
+(docs/data-sources.md).
+
+A shard that cannot be read (missing, truncated, garbage, refused) is left out and reported
+while the other shards train; a sample whose caption member cannot be read, or that has no
+image, is left out and reported while its shard's other samples train (issue #16)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from typing import IO, Any
 import fsspec
 from braceexpand import braceexpand
 
-from impasto.data.folder import ImageRecord
+from impasto.data.folder import ImageRecord, Scan
+from impasto.data.skips import UnreadableSource, error_reason
 from impasto.data.sources._common import _image_size
 
 logger = logging.getLogger(__name__)
@@ -31,7 +36,7 @@ SHARD_IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp")
 """Member suffixes read as a sample's image, in order of preference (any letter case)."""
 SHARD_CAPTION_SUFFIXES = ("txt", "caption", "json")
 """Member suffixes read as a sample's caption, in order of preference."""
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: samples left out are listed (``skipped``)
 # Enough for the header of nearly every JPEG (EXIF blocks are < 64 KiB); the rest of the member
 # is read only when PIL cannot find the size in this prefix.
 HEADER_BYTES = 64 * 1024
@@ -126,7 +131,7 @@ def _copy_pipe(url: str, target: Path) -> None:
             shutil.copyfileobj(process.stdout, handle)
         if process.returncode != 0:
             raise ValueError(
-                f"data: shard {url}: the command exited with status {process.returncode}; "
+                f"shard {url}: the command exited with status {process.returncode}; "
                 "run it in a shell to see why"
             )
 
@@ -137,7 +142,7 @@ def _check_member_name(name: str, shard: str) -> None:
     path = PurePosixPath(name)
     if path.is_absolute() or ".." in path.parts:
         raise ValueError(
-            f"data: shard {shard} member {name!r} has an absolute or '..' path; refusing the shard"
+            f"shard {shard} member {name!r} has an absolute or '..' path; refusing the shard"
         )
 
 
@@ -146,11 +151,15 @@ def _member_image_size(member: IO[bytes]) -> tuple[int, int] | None:
     return _image_size(head) or _image_size(head + member.read())
 
 
-def _json_caption(data: bytes, where: str) -> str:
+class _BadSample(ValueError):
+    """A sample that cannot be used; its shard's other samples can."""
+
+
+def _json_caption(data: bytes) -> str:
     try:
         value = json.loads(data.decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"data: {where} is not valid UTF-8 JSON; fix or drop it") from None
+    except json.JSONDecodeError as error:
+        raise _BadSample(f"is not valid JSON ({error.msg})") from None
     if not isinstance(value, dict):
         return ""
     text = value.get("caption") or value.get("text")
@@ -161,28 +170,46 @@ def _json_caption(data: bytes, where: str) -> str:
     return ""
 
 
-def _sample_caption(
-    archive: tarfile.TarFile, members: dict[str, tarfile.TarInfo], shard: str
-) -> str:
-    """A sample's caption from its ``txt``, else ``caption``, else ``json`` member, else ""."""
+def _sample_caption(archive: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> str:
+    """A sample's caption from its ``txt``, else ``caption``, else ``json`` member, else "";
+    :class:`_BadSample` naming the member when it does not decode."""
     suffix = next((suffix for suffix in SHARD_CAPTION_SUFFIXES if suffix in members), None)
     if suffix is None:
         return ""
-    where = f"shard {shard} member {members[suffix].name}"
-    data = archive.extractfile(members[suffix]).read()
-    if suffix == "json":
-        return _json_caption(data, where)
+    member = members[suffix]
+    data = archive.extractfile(member).read()
     try:
-        return data.decode("utf-8-sig").strip()
-    except UnicodeDecodeError:
-        raise ValueError(f"data: {where} is not valid UTF-8; re-save it as UTF-8") from None
+        return _json_caption(data) if suffix == "json" else data.decode("utf-8-sig").strip()
+    except UnicodeDecodeError as error:
+        problem = f"is {error_reason(error)}; re-save it as UTF-8"
+        raise _BadSample(f"caption member {member.name} {problem}") from None
+    except _BadSample as error:
+        raise _BadSample(f"caption member {member.name} {error}") from None
+
+
+def _index_sample(archive: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> dict[str, Any]:
+    """One sample's index entry; :class:`_BadSample` when it has no image or its caption does
+    not decode."""
+    suffix = next((s for s in SHARD_IMAGE_SUFFIXES if s in members), None)
+    if suffix is None:
+        found = ", ".join(sorted(members))
+        raise _BadSample(f"no image member ({'/'.join(SHARD_IMAGE_SUFFIXES)}); it has {found}")
+    image = members[suffix]
+    return {
+        "member": image.name,
+        "offset": image.offset_data,
+        "size": image.size,
+        "hw": _member_image_size(archive.extractfile(image)),
+        "caption": _sample_caption(archive, members),
+    }
 
 
 def _scan_tar(handle: IO[bytes], shard: str) -> dict[str, Any]:
     """Index a seekable, uncompressed tar: each sample's image member, its data offset and size,
-    the image's ``(height, width)`` and the caption. A sample is the members that share a key:
-    the member path up to the first dot of its file name (the webdataset convention)."""
-    samples = []
+    the image's ``(height, width)`` and the caption, and the samples left out with the reason.
+    A sample is the members that share a key: the member path up to the first dot of its file
+    name (the webdataset convention)."""
+    samples, skipped, num_without_image = [], [], 0
     try:
         with tarfile.open(fileobj=handle, mode="r:") as archive:
             groups: dict[str, dict[str, tarfile.TarInfo]] = {}
@@ -198,26 +225,18 @@ def _scan_tar(handle: IO[bytes], shard: str) -> dict[str, Any]:
             handle.seek(archive.offset)
             if handle.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):
                 raise tarfile.ReadError(f"no end-of-archive marker after byte {archive.offset}")
-            for members in groups.values():
-                suffix = next((s for s in SHARD_IMAGE_SUFFIXES if s in members), None)
-                if suffix is None:
-                    continue
-                image = members[suffix]
-                samples.append(
-                    {
-                        "member": image.name,
-                        "offset": image.offset_data,
-                        "size": image.size,
-                        "hw": _member_image_size(archive.extractfile(image)),
-                        "caption": _sample_caption(archive, members, shard),
-                    }
-                )
-    except tarfile.TarError as error:
+            for key, members in groups.items():
+                num_without_image += not any(s in members for s in SHARD_IMAGE_SUFFIXES)
+                try:
+                    samples.append(_index_sample(archive, members))
+                except _BadSample as error:
+                    skipped.append([key, str(error)])
+    except (tarfile.TarError, EOFError) as error:
         raise ValueError(
-            f"data: shard {shard} is truncated or not an uncompressed tar ({error}); "
+            f"shard {shard} is truncated or not an uncompressed tar ({error_reason(error)}); "
             "re-download or re-create it"
         ) from None
-    return {"samples": samples, "num_without_image": len(groups) - len(samples)}
+    return {"samples": samples, "skipped": skipped, "num_without_image": num_without_image}
 
 
 def _load_index(index_path: Path, url: str) -> dict[str, Any] | None:
@@ -263,7 +282,7 @@ def shard_index(url: str, index_dir: Path) -> dict[str, Any]:
     key = url
     if local is not None:
         if not local.is_file():
-            raise ValueError(f"data: shard {url} does not exist; check data.urls")
+            raise ValueError(f"shard {url} does not exist; check the shard URLs (data.path)")
         stat = local.stat()
         key = f"{local.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
@@ -276,6 +295,21 @@ def shard_index(url: str, index_dir: Path) -> dict[str, Any]:
 
 
 def webdataset_records(urls: str | Sequence[str], index_dir: Path) -> list[ImageRecord]:
+    """:func:`webdataset_scan`'s records; each shard or sample left out is logged."""
+    return webdataset_scan(urls, index_dir).logged_records()
+
+
+def _index_or_reason(url: str, index_dir: Path) -> dict[str, Any] | str:
+    """The shard's index, or why it cannot be read (one shard never stops the others)."""
+    try:
+        return shard_index(url, index_dir)
+    except (ValueError, OSError) as error:
+        if isinstance(error, ValueError) and not isinstance(error, UnicodeDecodeError):
+            return str(error).removeprefix("data: ")
+        return f"shard {url} cannot be read ({error_reason(error)})"
+
+
+def webdataset_scan(urls: str | Sequence[str], index_dir: Path) -> Scan:
     """The samples of webdataset tar shards, in shard order then member order.
 
     Args:
@@ -286,18 +320,23 @@ def webdataset_records(urls: str | Sequence[str], index_dir: Path) -> list[Image
 
     Returns:
         One :class:`ImageRecord` per sample with an image, named ``<shard>/<member>``, with
-        its ``(height, width)`` when the header is readable.
+        its ``(height, width)`` when the header is readable. Left out, each with the reason:
+        a shard that is missing, truncated, compressed, has a member with an absolute or
+        ``..`` path, or whose ``pipe:`` command fails (named by its URL); a sample without an
+        image, or whose caption member does not decode (named ``<shard>/<key>``).
 
     Raises:
-        ValueError: a missing, truncated or compressed shard, a member with an absolute or
-            ``..`` path, a bad caption member, a failing ``pipe:`` command, or no images.
+        UnreadableSource: no shard could be read (the first reason is given), or no images.
     """
     expanded = expand_urls(urls)
     index_dir = Path(index_dir)
     with ThreadPoolExecutor(max_workers=min(NUM_INDEX_THREADS, len(expanded))) as pool:
-        indexes = list(pool.map(partial(shard_index, index_dir=index_dir), expanded))
-    records = []
+        indexes = list(pool.map(partial(_index_or_reason, index_dir=index_dir), expanded))
+    scan = Scan()
     for url, index in zip(expanded, indexes, strict=True):
+        if isinstance(index, str):
+            scan.skip(url, index)
+            continue
         name = _shard_name(url)
         if index["num_without_image"]:
             logger.warning(
@@ -306,9 +345,11 @@ def webdataset_records(urls: str | Sequence[str], index_dir: Path) -> list[Image
                 index["num_without_image"],
                 "/".join(SHARD_IMAGE_SUFFIXES),
             )
+        for key, reason in index["skipped"]:
+            scan.skip(f"{name}/{key}", reason)
         make_blob = RANGE_BLOBS[index["reader"]]
         for sample in index["samples"]:
-            records.append(
+            scan.records.append(
                 ImageRecord(
                     image_path=f"{name}/{sample['member']}",
                     caption=sample["caption"],
@@ -316,6 +357,8 @@ def webdataset_records(urls: str | Sequence[str], index_dir: Path) -> list[Image
                     size=tuple(sample["hw"]) if sample["hw"] else None,
                 )
             )
-    if not records:
-        raise ValueError(f"data: no images in the {len(expanded)} shards from {expanded[0]}")
-    return records
+    if not scan.records:
+        where = f"the {len(expanded)} shards from {expanded[0]}"
+        first = f"; {scan.skipped[0].reason}" if scan.skipped else ""
+        raise UnreadableSource(where, f"no readable images{first}")
+    return scan

@@ -1,0 +1,170 @@
+"""A run's records: every source of ``data`` read, and what had to be left out, and why.
+
+One bad item never stops a run (issue #16): a caption file that is not UTF-8, a manifest row
+without an image, a truncated tar shard, a Parquet or Arrow file that does not load, an image
+without a caption (``data.missing_captions: skip``) is left out as a
+:class:`~impasto.data.skips.Skipped`, named once, and reported in ``RUN/bad-data.tsv`` with the
+reason. A source that cannot be read at all is left out the same way while another source still
+has images; only when nothing readable remains, or more than ``data.max_bad_fraction`` of the
+items are unusable, does the run stop, with one line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from impasto.data.demo import write_demo_dataset
+from impasto.data.folder import ImageRecord, Scan, scan_folder, scan_manifest
+from impasto.data.prompts import read_prompts
+from impasto.data.skips import Skipped, UnreadableSource, distinct
+from impasto.data.sources import hf_dataset_scan, parquet_scan, webdataset_scan
+from impasto.distributed import barrier
+
+NO_CAPTION = "no caption (left out by data.missing_captions: skip)"
+"""The reason reported for an image left out for having no caption."""
+NUM_NAMED = 20  # items named on the console; the report names them all
+
+
+def shard_index_dir(config: Any) -> Path:
+    """``data.index_dir``, or ``$XDG_CACHE_HOME/impasto/shards`` (``~/.cache/...``)."""
+    if config.data.index_dir:
+        return Path(config.data.index_dir)
+    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache_home) / "impasto" / "shards"
+
+
+def _folder_scan(source: Any, index_dir: Path) -> Scan:
+    subfolders = {name: (sub.repeats, sub.weight) for name, sub in source.subfolders.items()}
+    return scan_folder(Path(source.path), subfolders)
+
+
+def _manifest_scan(source: Any, index_dir: Path) -> Scan:
+    path = Path(source.path)
+    return parquet_scan(path) if path.suffix == ".parquet" else scan_manifest(path)
+
+
+SOURCE_READERS = {
+    "folder": _folder_scan,
+    "manifest": _manifest_scan,
+    "webdataset": lambda source, index_dir: webdataset_scan(source.path, index_dir),
+    "hf": lambda source, index_dir: hf_dataset_scan(
+        source.path, source.split, source.image_column, source.caption_column
+    ),
+}
+"""``data.source`` → the reader of one source: ``(source, shard index dir) -> Scan``."""
+
+
+def scan_sources(config: Any, main: bool = True) -> Scan:
+    """Every source's records, each repeated ``repeats`` times with its ``loss_weight``, then
+    (``data.missing_captions: skip``) the images without a caption left out; and every item
+    left out, once per name. The fraction is not checked here (:func:`check_bad_fraction`).
+
+    ``main``: this process writes the demo dataset when it is missing (the other ranks of a
+    run wait for it).
+    """
+    data = config.data
+    if main and data.generate_demo and not Path(data.path).exists():
+        count = write_demo_dataset(
+            Path(data.path), data.demo_num_images, data.resolution, seed=config.train.seed
+        )
+        print(f"impasto: wrote {count} demo images to {data.path}")
+    barrier()
+    if data.prompts is not None:
+        return Scan(read_prompts(data.prompts))
+    scan, unreadable = Scan(), []
+    for source in data.source_list():
+        try:
+            found = SOURCE_READERS[source.source](source, shard_index_dir(config))
+        except UnreadableSource as error:  # left out while another source has images
+            unreadable.append(error)
+            scan.skip(error.name, error.reason)
+            continue
+        records = found.records
+        if source.loss_weight != 1.0:
+            records = [
+                replace(record, weight=record.weight * source.loss_weight) for record in records
+            ]
+        scan.records.extend(record for record in records for _ in range(source.repeats))
+        scan.skipped.extend(found.skipped)
+    if not scan.records and unreadable:  # nothing readable remains
+        more = (
+            f" (and {len(unreadable) - 1} more unreadable sources)" if len(unreadable) > 1 else ""
+        )
+        raise ValueError(f"{unreadable[0]}{more}")
+    if data.missing_captions == "skip":
+        scan = leave_out_uncaptioned(scan)
+    return Scan(scan.records, distinct(scan.skipped))
+
+
+def leave_out_uncaptioned(scan: Scan) -> Scan:
+    """The scan without the records that have no caption, each named once in ``skipped``
+    (and the first :data:`NUM_NAMED` on the console)."""
+    missing = sorted({str(record.image_path) for record in scan.records if not record.caption})
+    if not missing:
+        return scan
+    print(f"impasto: left out {len(missing)} images without a caption: {_named(missing)}")
+    kept = [record for record in scan.records if record.caption]
+    left_out = Scan(kept, list(scan.skipped))
+    for name in missing:
+        left_out.skip(name, NO_CAPTION)
+    return left_out
+
+
+def _named(names: list[str]) -> str:
+    named = ", ".join(names[:NUM_NAMED])
+    return named + (f" and {len(names) - NUM_NAMED} more" if len(names) > NUM_NAMED else "")
+
+
+def check_bad_fraction(
+    skipped: Sequence[Skipped], num_usable: int, max_bad_fraction: float, report: Path | None = None
+) -> None:
+    """Stop, with one line, when the items left out before training (``skipped``, distinct
+    names) are more than ``max_bad_fraction`` of all items (they and ``num_usable`` good ones);
+    ``report``: where they are listed."""
+    if not skipped:
+        return
+    bad = len(skipped)
+    fraction = bad / (bad + num_usable)
+    if fraction <= max_bad_fraction:
+        return
+    uncaptioned = sum(item.reason == NO_CAPTION for item in skipped)
+    parts = [f"{uncaptioned} images have no caption"] if uncaptioned else []
+    if bad > uncaptioned:
+        parts.append(f"{bad - uncaptioned} items are unreadable")
+    fixes = "fix or remove them"
+    if uncaptioned:
+        fixes = "add captions (or set data.missing_captions: empty), " + fixes
+    where = f"see {report}" if report else f"e.g. {skipped[0].name}: {skipped[0].reason}"
+    raise ValueError(
+        f"data: {' and '.join(parts)} ({fraction:.0%} of the samples > data.max_bad_fraction "
+        f"{max_bad_fraction}); {where}; {fixes}"
+    )
+
+
+def num_items(records: Sequence[ImageRecord]) -> int:
+    """Distinct images among ``records`` (repeats and copies listed by two sources are one)."""
+    return len({str(record.image_path) for record in records})
+
+
+def load_records(config: Any, main: bool = True) -> list[ImageRecord]:
+    """:func:`scan_sources`' records, after :func:`check_bad_fraction`; what was left out is
+    named on the console only (a run reports it in ``RUN/bad-data.tsv``:
+    :func:`~impasto.data.pipeline.prepare_run_data`)."""
+    scan = scan_sources(config, main)
+    if main:
+        print_left_out(scan.skipped, None)
+    check_bad_fraction(scan.skipped, num_items(scan.records), config.data.max_bad_fraction)
+    return scan.records
+
+
+def print_left_out(skipped: Sequence[Skipped], report: Path | None) -> None:
+    """One console line for the items left out other than for a missing caption (printed
+    already)."""
+    unreadable = [item.name for item in skipped if item.reason != NO_CAPTION]
+    if unreadable:
+        where = f" (reasons in {report})" if report else ""
+        print(f"impasto: left out {len(unreadable)} unusable items{where}: {_named(unreadable)}")

@@ -1,0 +1,99 @@
+"""What a run leaves out, and why, in words a person can act on.
+
+Every unusable item (an image that does not decode, a caption file that is not UTF-8, a tar
+shard that is truncated, a cache entry that fails its checksum) becomes one :class:`Skipped`:
+the item's name (a path, ``shard.tar/member``, ``file.parquet/row-N``) and a one-line reason.
+The run's report ``RUN/bad-data.tsv`` lists them, once per name (issue #16).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+SCANNED = -1
+"""The ``index`` of an item left out while the sources were read (it has no record)."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An item that could not be used: its record index (:data:`SCANNED` when it was left
+    out before it became a record), its name, and why."""
+
+    index: int
+    name: str
+    reason: str
+
+
+class UnreadableSource(ValueError):
+    """A whole container (a Parquet file, a dataset's files) could not be read. Raised by a
+    source reader; a run with other readable sources skips it and reports it."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"data: {name}: {reason}")
+        self.name, self.reason = name, reason
+
+
+# ``<_io.BytesIO object at 0x7f...>``: what PIL's messages show for an image read from bytes.
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def error_reason(error: BaseException) -> str:
+    """One readable line for what went wrong: the first line of the exception's message with
+    object reprs left out (PIL's ``cannot identify image file <_io.BytesIO object at 0x...>``),
+    its type when it has no message. The item itself is named by the :class:`Skipped` that
+    carries the reason."""
+    if not error.args:
+        return type(error).__name__
+    if isinstance(error, UnidentifiedImageError):
+        return "not an image PIL can read (unknown format, or an empty or damaged header)"
+    if isinstance(error, Image.DecompressionBombError):
+        return f"too many pixels ({' '.join(str(error).split())})"
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 (byte 0x{error.object[error.start]:02x} at offset {error.start})"
+    if isinstance(error, OSError) and error.strerror:
+        text = error.strerror if error.filename is None else f"{error.strerror}: {error.filename}"
+    else:
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        text = _OBJECT_REPR.sub("", " ".join(first_line.split())).strip(" :")
+    return text or type(error).__name__
+
+
+def distinct(skipped: Sequence[Skipped]) -> list[Skipped]:
+    """The first :class:`Skipped` of each name, in order: an item met twice (two sources list
+    it, a later epoch meets it again) is one bad item."""
+    seen: dict[str, Skipped] = {}
+    for item in skipped:
+        seen.setdefault(item.name, item)
+    return list(seen.values())
+
+
+BAD_DATA_FILE = "bad-data.tsv"
+
+
+class BadDataLog:
+    """The items a run left out, one ``name<TAB>reason`` line each (``RUN/bad-data.tsv``),
+    appended as they are met, each name once, kept across resumes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.names: set[str] = set()
+        if path.exists():
+            lines = path.read_text(encoding="utf-8").splitlines()
+            self.names = {line.split("\t")[0] for line in lines}
+
+    def record(self, skipped: Sequence[Skipped], write: bool = True) -> int:
+        """Add the items not listed yet (``write``: to the file too; rank 0 of a run writes);
+        returns how many were new, the count of distinct bad items they add."""
+        new = distinct([item for item in skipped if item.name not in self.names])
+        if new and write:
+            with self.path.open("a", encoding="utf-8") as handle:
+                for item in new:
+                    reason = " ".join(item.reason.split())  # one line, no tab
+                    handle.write(f"{item.name}\t{reason}\n")
+        self.names.update(item.name for item in new)
+        return len(new)
