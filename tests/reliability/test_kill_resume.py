@@ -10,6 +10,7 @@ inside a checkpoint write. The fast test injects one fault of each kind; the slo
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -37,7 +38,13 @@ def raw_config(data: Path, run_dir: Path) -> dict[str, Any]:
     dropout, caption dropout), with an EMA, a disk cache and frequent checkpoints."""
     return {
         "model": {"preset": "tiny"},
-        "data": {"path": str(data), "resolution": 64, "batch_size": 4, "caption_dropout": 0.2},
+        "data": {
+            "path": str(data),
+            "resolution": 64,
+            "batch_size": 4,
+            "caption_dropout": 0.2,
+            "max_bad_fraction": 0.2,
+        },  # fmt: skip
         "cache": {
             "latents": "disk",
             "text_embeddings": "disk",
@@ -55,14 +62,30 @@ def raw_config(data: Path, run_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, demo_folder) -> dict[str, Any]:
+def data_with_bad_items(tmp_path_factory, demo_folder) -> Path:
+    """The 16 demo images, one truncated image and one image whose caption is not UTF-8: the
+    unusable items and their counters must resume exactly too."""
+    folder = tmp_path_factory.mktemp("data") / "images"
+    shutil.copytree(demo_folder, folder)
+    first = sorted(folder.glob("*.png"))[0]
+    (folder / "truncated.png").write_bytes(first.read_bytes()[:200])
+    (folder / "truncated.txt").write_text("a red square", encoding="utf-8")
+    shutil.copyfile(first, folder / "latin1.png")
+    (folder / "latin1.txt").write_bytes("une pomme rôtie".encode("latin-1"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_with_bad_items) -> dict[str, Any]:
     """The uninterrupted run's final state (a child process, like the interrupted ones)."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
     run_dir.mkdir()
-    config = write_config(run_dir.parent / "config.yaml", raw_config(demo_folder, run_dir))
+    config = write_config(run_dir.parent / "config.yaml", raw_config(data_with_bad_items, run_dir))
     result = run(config)
     assert result.returncode == 0, result.stderr
-    return final_state(run_dir)
+    state = final_state(run_dir)
+    assert state["state"]["train"]["images_bad"] == 2, state["state"]["train"]
+    return state
 
 
 def kill_at(config: Path, run_dir: Path, fault: str) -> int:
@@ -108,18 +131,20 @@ def interrupt_and_finish(tmp_path: Path, demo_folder: Path, faults: list[str]) -
 
 
 # The cache faults first (a later start finds the cache full), then each kind of moment.
-FAST_FAULTS = ["step:3", "checkpoint.file:2", "checkpoint.commit:1",
+FAST_FAULTS = ["cache.shard:1", "step:3", "checkpoint.file:2", "checkpoint.commit:1",
                "checkpoint.prune:1"]  # fmt: skip
 
 
-def test_kill_at_each_kind_of_moment_then_resume_is_bitwise(tmp_path, demo_folder, straight):
-    killed, run_dir = interrupt_and_finish(tmp_path, demo_folder, FAST_FAULTS)
+def test_kill_at_each_kind_of_moment_then_resume_is_bitwise(
+    tmp_path, data_with_bad_items, straight
+):
+    killed, run_dir = interrupt_and_finish(tmp_path, data_with_bad_items, FAST_FAULTS)
     assert killed == len(FAST_FAULTS)
     assert_same(straight, final_state(run_dir), "final state")
 
 
 @pytest.mark.slow
-def test_kill_at_20_moments_then_resume_is_bitwise(tmp_path, demo_folder, straight):
+def test_kill_at_20_moments_then_resume_is_bitwise(tmp_path, data_with_bad_items, straight):
     moments = random.Random(16)
     faults = [
         "cache.shard:1", "cache.shard:2", "step:1", "checkpoint.file:1", "checkpoint.commit:1",
@@ -130,6 +155,6 @@ def test_kill_at_20_moments_then_resume_is_bitwise(tmp_path, demo_folder, straig
     later = faults[2:]
     moments.shuffle(later)
     faults = faults[:2] + later  # the cache faults stay first
-    killed, run_dir = interrupt_and_finish(tmp_path, demo_folder, faults)
+    killed, run_dir = interrupt_and_finish(tmp_path, data_with_bad_items, faults)
     assert killed == len(faults) == 20
     assert_same(straight, final_state(run_dir), "final state")

@@ -6,7 +6,7 @@ import dataclasses
 import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from impasto.checkpoint.state import (
 from impasto.checkpoint.stateful import Stateful, StatefulValue, save_states
 from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_diff, config_hash, config_to_dict, config_to_yaml
+from impasto.data.skips import BAD_DATA_FILE
 from impasto.logging import METRICS_FILE
 from impasto.models.parts import Part, load_part
 from impasto.train.ema import EMA
@@ -42,23 +43,33 @@ class TrainState:
     step: int = 0  # optimizer steps done
     samples_seen: int = 0
     images_attempted: int = 0
-    images_bad: int = 0
+    images_bad: int = 0  # distinct unusable items: each name counts once, whenever met again
     nonfinite_in_row: int = 0
     steps_skipped: int = 0
+    bad_names: set[str] = dataclasses.field(default_factory=set)  # the items images_bad counts
 
-    def state_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+    def count_bad(self, names: Iterable[str]) -> int:
+        """Count the names not counted before; returns how many were new."""
+        new = set(names) - self.bad_names
+        self.bad_names |= new
+        self.images_bad += len(new)
+        return len(new)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"bad_names": sorted(self.bad_names)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         for field in dataclasses.fields(self):  # a counter the checkpoint lacks starts at 0
-            setattr(self, field.name, int(state.get(field.name, field.default)))
+            if field.name != "bad_names":
+                setattr(self, field.name, int(state.get(field.name, field.default)))
+        self.bad_names = set(state.get("bad_names", ()))
 
 
 def prepare_run_dir(config: Config, resume: bool, main: bool = True) -> Path:
     """Create the run directory and write the resolved config and its hash into it (``main``:
     this process does; the other ranks of a parallel run only name it).
 
-    With ``resume=False`` an earlier run's checkpoints and metrics are moved into
+    With ``resume=False`` an earlier run's checkpoints, metrics and bad-data report move into
     ``previous-<time>/`` rather than deleted: starting over never destroys results. The
     caller holds the directory's lock (:mod:`impasto.train.run_lock`), so the ``.tmp-*``
     leftovers of saves and prunes that a kill interrupted are removed here.
@@ -71,7 +82,7 @@ def prepare_run_dir(config: Config, resume: bool, main: bool = True) -> Path:
     if leftovers:
         names = ", ".join(path.name for path in leftovers)
         print(f"impasto: removed what interrupted saves left behind: {names}")
-    earlier = [run_dir / name for name in (CHECKPOINTS, METRICS_FILE, "tensorboard")]
+    earlier = [run_dir / name for name in (CHECKPOINTS, METRICS_FILE, "tensorboard", BAD_DATA_FILE)]
     earlier = [path for path in earlier if path.exists()]
     if not resume and earlier:
         archive = run_dir / time.strftime("previous-%Y%m%d-%H%M%S")

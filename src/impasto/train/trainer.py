@@ -84,7 +84,6 @@ class Trainer:
         # A signal from here on stops at once (start-up), later after the step (run).
         self.stop = StopRequest().install()
         self.lock: RunLock | None = None
-        self.data = None
         try:
             self.build(config, resume, group)
         except BaseException:
@@ -126,14 +125,15 @@ class Trainer:
         self.last_checkpoint = self.restore() if resume else None
         if self.last_checkpoint is not None:
             print(f"impasto: resumed from {self.last_checkpoint} (step {self.state.step})")
+        else:  # the items left out while the sources were read (a resumed run counted them)
+            scanned = self.data.scan_skipped
+            self.state.images_attempted += len(scanned)
+            self.state.count_bad(item.name for item in scanned)
 
     def close(self) -> None:
-        """Hand back what the run holds: the signal handlers, the run directory's lock and the
-        data loader's worker processes (also when start-up failed)."""
+        """Hand back what the run holds: the signal handlers and the run directory's lock
+        (also when start-up failed)."""
         self.stop.restore()
-        close_stream = getattr(getattr(self.data, "stream", None), "close", None)
-        if close_stream is not None:
-            close_stream()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -247,10 +247,12 @@ class Trainer:
         attempted, bad, samples = self.group.sum(unsynced.attempted, unsynced.bad, unsynced.samples)
         self.state.samples_seen += samples
         self.state.images_attempted += attempted
-        self.state.images_bad += bad
         skipped = unsynced.skipped
         if bad and self.group.world > 1:  # (bad is the sum: every rank gathers, or none)
             skipped = [item for part in self.group.gather(skipped) for item in part]
+        # Each bad item counts once, whichever rank met it and however often: the counted
+        # names are part of the checkpointed counters, so a resumed run counts alike.
+        self.state.count_bad(item.name for item in skipped)
         if self.group.is_main:
             self.data.bad_data.record(skipped)
 
@@ -330,7 +332,7 @@ class Trainer:
         bad = state.images_bad + self.unsynced.bad * self.group.world  # an estimate between syncs
         attempted = state.images_attempted + self.unsynced.attempted * self.group.world
         fraction = bad / max(1, attempted)
-        if attempted >= len(self.data.records) and fraction > limit:
+        if attempted >= len(self.data.records) + len(self.data.scan_skipped) and fraction > limit:
             raise ValueError(
                 f"data: {bad} of {attempted} images were unusable "
                 f"({fraction:.0%} > data.max_bad_fraction {limit}); see "
