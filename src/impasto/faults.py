@@ -9,7 +9,7 @@ Unset, a point costs one comparison. The points:
 - ``checkpoint.file``: a checkpoint file is written into the temporary directory;
 - ``checkpoint.commit``: the checkpoint is complete but not yet renamed into place;
 - ``checkpoint.prune``: an old checkpoint is renamed aside but not yet deleted;
-- ``cache.shard``: a cache shard is written.
+- ``cache.shard``: a cache shard is written and flushed but not yet renamed into place.
 """
 
 from __future__ import annotations
