@@ -4,7 +4,8 @@ bit (weights, EMA, optimizer, counters, data position and every RNG stream), and
 moment in between the newest checkpoint loads.
 
 The named moments come from ``IMPASTO_FAULT`` (:mod:`impasto.faults`): a timer rarely lands
-inside a checkpoint write. The fast test injects one fault of each kind; the slow one 20.
+inside a checkpoint write. One test injects one fault of each kind, the other 20; both start
+child processes for a minute or more, so both are marked slow.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ FAST_FAULTS = ["cache.shard:1", "step:3", "checkpoint.file:2", "checkpoint.commi
                "checkpoint.prune:1"]  # fmt: skip
 
 
+@pytest.mark.slow  # seven runs of a child process (~50 s)
 def test_kill_at_each_kind_of_moment_then_resume_is_bitwise(
     tmp_path, data_with_bad_items, straight
 ):

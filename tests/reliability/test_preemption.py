@@ -97,6 +97,7 @@ def test_sigterm_to_the_process_group_with_workers_saves_and_resumes_bitwise(tmp
     assert [r["loss"] for r in losses] == [r["loss"] for r in straight]
 
 
+@pytest.mark.slow  # two runs of a child process each
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_start_up_stops_with_one_line(tmp_path, demo_folder, signum):
     config, run_dir = make_config(tmp_path, demo_folder, "run")
