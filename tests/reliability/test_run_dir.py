@@ -316,3 +316,24 @@ def test_an_output_folder_without_write_permission_is_one_line(
     assert capsys.readouterr().err.strip().splitlines() == [
         f"impasto: error: Permission denied: {run_dir}"
     ]
+
+
+def test_an_alias_bomb_in_a_checkpoints_config_does_not_stall_the_resume(
+    tmp_path, demo_folder, capsys
+):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "r.yaml", raw_config(demo_folder, run_dir, 5))
+    assert main(["train", str(config)]) == 0
+    bomb = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    bomb += [
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]"
+        for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+    ]  # 10^9 leaves once expanded
+    checkpoint = run_dir / "checkpoints" / "step-00000005"
+    (checkpoint / "config.yaml").write_text("\n".join(bomb))
+    state = json.loads((checkpoint / "state.json").read_text())  # its recorded size fixed too
+    state["files"]["config.yaml"] = (checkpoint / "config.yaml").stat().st_size
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    raw = raw_config(demo_folder, run_dir, 6)
+    assert main(["train", str(write_config(config, raw))]) == 0
+    assert "resumed from" in capsys.readouterr().out

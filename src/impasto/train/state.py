@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from impasto.checkpoint.state import (
     DAMAGED_PREFIX,
@@ -25,6 +24,7 @@ from impasto.checkpoint.state import (
 from impasto.checkpoint.stateful import Stateful, StatefulValue, save_states
 from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_diff, config_hash, config_to_dict, config_to_yaml
+from impasto.config.load import read_yaml
 from impasto.data.skips import BAD_DATA_FILE
 from impasto.logging import METRICS_FILE
 from impasto.models.parts import Part, load_part
@@ -198,10 +198,9 @@ def check_resumable(path: Path, config: Config) -> None:
     """Print how ``config`` differs from the one the checkpoint at ``path`` was written with;
     a change its state cannot follow (another optimizer) is a one-line error."""
     saved_file = path / "config.yaml"
-    saved_text = saved_file.read_text(encoding="utf-8") if saved_file.is_file() else ""
-    try:
-        saved = yaml.safe_load(saved_text) or {}
-    except yaml.YAMLError:
+    try:  # the strict reader: a tampered file (an alias bomb) fails fast, and compares as empty
+        saved = read_yaml(saved_file) if saved_file.is_file() else {}
+    except ValueError:
         saved = {}
     saved = saved if isinstance(saved, dict) else {}
     saved_optimizer = (saved.get("optim") or {}).get("name")
