@@ -25,6 +25,7 @@ from impasto.checkpoint.trained import load_trained
 from impasto.config import build_config
 from impasto.data.demo import write_demo_dataset
 from impasto.train import train
+from impasto.train.run_lock import RunLock
 
 pytestmark = pytest.mark.slow  # ~2 minutes of torchrun launches: in .ci/run, not in -m "not slow"
 
@@ -299,3 +300,20 @@ def test_ranks_with_different_configs_stop_with_one_line(runs, tmp_path):
     assert len(errors) in (1, 2)
     assert ["ranks disagree on the config" in error for error in errors] == [True] * len(errors)
     assert not (tmp_path / "odd" / "checkpoints").exists()  # stopped before any step
+
+
+def test_a_run_directory_in_use_stops_every_rank_with_one_line(runs, tmp_path):
+    """Another trainer holds the directory: rank 0 cannot lock it, and every rank stops with
+    rank 0's line (none waits at a barrier for the others)."""
+    reference = yaml.safe_load((runs / "one-accum" / "config.yaml").read_text())
+    raw = raw_config(Path(reference["data"]["path"]), tmp_path / "busy", "ddp", 2)
+    config = tmp_path / "busy.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    with RunLock(tmp_path / "busy"):
+        done = torchrun("--standalone", "--nproc-per-node", "2", "-m", "impasto", "train",
+                        str(config), timeout=120)  # fmt: skip
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if "impasto: error:" in line]
+    assert len(errors) in (1, 2)  # each rank's, unless torchrun stopped the slower one first
+    assert all(f"is in use by another impasto run (pid {os.getpid()}" in e for e in errors)
+    assert not (tmp_path / "busy" / "checkpoints").exists()
