@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same
 
 from impasto.checkpoint import load_checkpoint
 from impasto.config import build_config
@@ -28,22 +29,6 @@ def _raw(data: Path, run_dir: Path, max_steps: int) -> dict[str, Any]:
         "checkpoint": {"every_steps": 5, "keep_last": 2},
         "log": {"every_steps": 2, "tensorboard": False, "progress_bar": False},
     }
-
-
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    """Recursive bitwise equality of checkpoint contents (tensors with torch.equal)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def test_lora_dropout_run_resumed_mid_epoch_is_bitwise_identical(tmp_path, demo_folder):

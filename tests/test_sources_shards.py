@@ -8,13 +8,13 @@ import json
 import os
 import pickle
 import shlex
-import tarfile
 from pathlib import Path
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import tar_bytes
 from PIL import Image
 
 from impasto.data.sources import (
@@ -34,16 +34,6 @@ from impasto.data.sources import (
 def encoded_image(height: int, width: int, color: tuple[int, int, int], format: str) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), color).save(buffer, format=format)
-    return buffer.getvalue()
-
-
-def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as archive:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from impasto.checkpoint import latest_checkpoint, load_checkpoint
@@ -111,23 +110,6 @@ def final_state(run_dir: Path) -> dict[str, Any]:
     state = dict(data.state)
     state.pop("run", None)  # the config hash covers output_dir, which differs between runs
     return {"tensors": data.tensors, "objects": data.objects, "state": state}
-
-
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    """Recursive bitwise equality (tensors with ``torch.equal`` and equal dtypes)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: {sorted(a)} != {sorted(b)}"
-        for key in a:
-            assert_same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def assert_one_line_error(result: Finished, *needles: str) -> str:

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import tar_bytes
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -89,16 +90,6 @@ def header_bomb(image_format: str, offset: int, pack: str, side: int) -> bytes:
     data = bytearray(buffer.getvalue())
     struct.pack_into(pack, data, offset, side, side)
     return bytes(data)
-
-
-def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as archive:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
 
 
 def write_item(path: Path, data: bytes, caption: str | None = "a bad file") -> Path:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from harness import (
-    assert_same,
     final_state,
     finish,
     logged_steps,
@@ -25,6 +24,7 @@ from harness import (
     wait_for,
     write_config,
 )
+from helpers import assert_same
 
 from impasto.checkpoint import latest_checkpoint
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 from harness import (
     assert_one_line_error,
-    assert_same,
     final_state,
     finish,
     logged_steps,
@@ -29,6 +28,7 @@ from harness import (
     wait_for,
     write_config,
 )
+from helpers import assert_same
 
 from impasto.checkpoint import list_checkpoints
 from impasto.checkpoint import state as checkpoint_state
