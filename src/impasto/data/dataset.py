@@ -120,6 +120,7 @@ class ImageCaptionDataset(Dataset):
         self.caption_tools = caption_tools or CaptionTools()
         self.loss_weights = None if loss_weights is None else list(loss_weights)
         self.cache = cache
+        self.warned: set[str] = set()  # items logged already (this process: once, not per epoch)
         text_cached = cache is not None and cache.text_fingerprint is not None
         random_captions = text_cached and self.caption_tools.random
         self.caption_variants = cache.caption_variants if random_captions else 0
@@ -173,7 +174,9 @@ class ImageCaptionDataset(Dataset):
 
     def skip(self, index: int, reason: str) -> Skipped:
         name = str(self.records[index].image_path)
-        logger.warning("data: skipping %s: %s", name, reason)
+        if name not in self.warned:
+            self.warned.add(name)
+            logger.warning("data: skipping %s: %s", name, reason)
         return Skipped(index, name, reason)
 
     def caption(self, caption: str, epoch: int, index: int, generator: torch.Generator) -> str:
