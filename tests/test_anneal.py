@@ -278,7 +278,8 @@ def test_anneal_refuses_a_checkpoint_that_trains_a_text_encoder(tiny_raw, tiny) 
 
 
 def _png(folder, seed: int = 2) -> tuple[np.ndarray, str]:
-    with Image.open(folder / f"a-red-circle-on-a-white-background-seed{seed}.png") as image:
+    (path,) = folder.glob(f"*-a-red-circle-on-a-white-background-*-seed{seed}.png")
+    with Image.open(path) as image:
         return np.asarray(image), image.text["parameters"]
 
 

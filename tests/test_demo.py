@@ -8,6 +8,7 @@ fill ratio of the bounding box for the shape). Takes most of the suite's time (~
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from impasto.demo_score import score_demo_checkpoint
 from impasto.train.trainer import train
 
 DEMO_CONFIG = Path(__file__).parents[1] / "configs" / "demo.yaml"
+DIGEST = hashlib.sha256(b"a purple triangle on a gray background").hexdigest()[:8]
 
 
 pytestmark = pytest.mark.slow  # trains the demo config (~7 min): `-m "not slow"` skips it
@@ -56,8 +58,8 @@ def test_impasto_sample_reproduces_the_demo_image(demo_run, tmp_path):
     first = sorted((tmp_path / "a").glob("*.png"))
     second = sorted((tmp_path / "b").glob("*.png"))
     assert [p.name for p in first] == [
-        "a-purple-triangle-on-a-gray-background-seed7.png",
-        "a-purple-triangle-on-a-gray-background-seed8.png",
+        f"00000-a-purple-triangle-on-a-gray-background-{DIGEST}-seed7.png",
+        f"00001-a-purple-triangle-on-a-gray-background-{DIGEST}-seed8.png",
     ]
     assert [p.read_bytes() for p in first] == [p.read_bytes() for p in second]
     assert first[0].read_bytes() != first[1].read_bytes()  # seeds 7 and 8 differ

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -62,9 +65,10 @@ def test_sample_command_reproduces_images_for_a_seed(sampled_run, tmp_path, caps
     assert main([*args, "--out", str(tmp_path / "a")]) == 0
     assert main([*args, "--out", str(tmp_path / "b"), "--num", "1"]) == 0
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    digest = hashlib.sha256(PROMPTS[0].encode()).hexdigest()[:8]
     assert names == [
-        "a-red-circle-on-a-white-background-seed3.png",
-        "a-red-circle-on-a-white-background-seed4.png",
+        f"00000-a-red-circle-on-a-white-background-{digest}-seed3.png",
+        f"00001-a-red-circle-on-a-white-background-{digest}-seed4.png",
     ]
     first = np.asarray(Image.open(tmp_path / "a" / names[0]))
     again = np.asarray(Image.open(tmp_path / "b" / names[0]))
@@ -73,6 +77,23 @@ def test_sample_command_reproduces_images_for_a_seed(sampled_run, tmp_path, caps
     assert np.array_equal(first, again) and not np.array_equal(first, other)
     parameters = Image.open(tmp_path / "a" / names[0]).text["parameters"]
     assert "Seed: 3" in parameters and "Negative prompt: a green triangle" in parameters
+
+
+def test_sample_never_overwrites_and_tells_similar_prompts_apart(sampled_run, tmp_path, capsys):
+    long = "a red circle on a white background, " * 2  # the slug keeps 60 characters
+    prompts = [f"{long}small", f"{long}large", "a red circle!", "A red circle?"]
+    args = ["sample", str(sampled_run), "--steps", "2", "--out", str(tmp_path)]
+    for prompt in prompts:
+        args += ["--prompt", prompt]
+    assert main(args) == 0
+    first = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert len(first) == 4  # four prompts, four files, though two pairs share their slugs
+    assert main(args) == 0  # the same command again: new files, the first run's kept
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert len(files) == 8 and all(files[name] == data for name, data in first.items())
+    assert sorted(name[:5] for name in files) == [f"{i:05d}" for i in range(8)]
+    printed = capsys.readouterr().out.split()
+    assert [Path(line).name for line in printed[4:]] == sorted(set(files) - set(first))
 
 
 def test_sample_command_rejects_a_folder_without_checkpoints(tmp_path, capsys):

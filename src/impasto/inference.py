@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from impasto.checkpoint.trained import build_starting_backbone, load_trained
@@ -55,6 +57,38 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "empty"
 
 
+INDEX_DIGITS = 5  # A1111's numbering: 00000-..., 00001-...
+
+
+def image_name(index: int, prompt: str, seed: int) -> str:
+    """``INDEX-SLUG-HASH-seedSEED.png``: the running index keeps every run's images apart, the
+    slug makes the name readable, and 8 hex digits of the prompt's sha256 tell apart prompts
+    whose slugs are equal (they differ after 60 characters, or in punctuation or case)."""
+    digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:8]
+    return f"{index:0{INDEX_DIGITS}d}-{_slug(prompt)}-{digest}-seed{seed}.png"
+
+
+def next_index(out_dir: Path) -> int:
+    """One past the highest running index of the images already in ``out_dir``."""
+    indices = [int(p.name[:INDEX_DIGITS]) for p in out_dir.glob("[0-9]" * INDEX_DIGITS + "-*")]
+    return max(indices, default=-1) + 1
+
+
+def save_new(image: Image.Image, out_dir: Path, index: int, prompt: str, seed: int,
+             info: PngInfo) -> tuple[Path, int]:  # fmt: skip
+    """Write ``image`` under the first free index from ``index`` on (created exclusively, so a
+    file is never overwritten, even by another ``impasto sample`` writing to the same folder);
+    returns its path and the next index."""
+    while True:
+        path = out_dir / image_name(index, prompt, seed)
+        try:
+            with open(path, "xb") as handle:
+                image.save(handle, format="PNG", pnginfo=info)
+            return path, index + 1
+        except FileExistsError:
+            index += 1
+
+
 def _parameters(prompt: str, request: SampleRequest, seed: int, size: int) -> str:
     anneal = "" if request.anneal is None else f", Anneal: {request.anneal}"
     return (
@@ -94,7 +128,8 @@ def sample_checkpoint(
 ) -> list[Path]:
     """Generate ``request`` with the checkpoint's model; returns the written PNG paths.
 
-    Each PNG carries its parameters in a ``parameters`` text chunk (as A1111 writes them).
+    Each PNG carries its parameters in a ``parameters`` text chunk (as A1111 writes them), and
+    is named :func:`image_name`: numbered on from the folder's images, never overwriting one.
     The same seed gives the same image, whatever the number of prompts or images.
     ``request.anneal`` mixes in the base model (:func:`base_model_forward`) with that schedule.
     """
@@ -107,7 +142,7 @@ def sample_checkpoint(
     size = request.size or config.data.resolution  # generate() checks it against the VAE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, index = [], next_index(out_dir)
     for prompt in request.prompts:
         images = generate(
             backbone,
@@ -126,7 +161,6 @@ def sample_checkpoint(
             seed = request.seed + offset
             info = PngInfo()
             info.add_text("parameters", _parameters(prompt, request, seed, size))
-            path = out_dir / f"{_slug(prompt)}-seed{seed}.png"
-            image.save(path, pnginfo=info)
+            path, index = save_new(image, out_dir, index, prompt, seed, info)
             written.append(path)
     return written
