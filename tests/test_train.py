@@ -198,7 +198,13 @@ def test_cli_train_resumes_and_no_resume_archives(tmp_path, demo_folder, capsys)
     assert main(["train", str(path), "--no-resume"]) == 0
     archived = list((tmp_path / "run").glob("previous-*/checkpoints/step-00000003"))
     assert len(archived) == 1
+    archive = archived[0].parents[1]
+    moved = "checkpoints, metrics.jsonl, tensorboard, config.yaml"
+    assert f"the earlier run ({moved}) is in {archive}" in capsys.readouterr().out
+    assert "max_steps: 3" in (archive / "config.yaml").read_text()  # the earlier run's config
     assert len(_losses(tmp_path / "run")) == 2
+    assert main(["train", str(path), "--no-resume"]) == 0  # again within the same second
+    assert len(list((tmp_path / "run").glob("previous-*/checkpoints"))) == 2
 
 
 def test_unreadable_images_are_skipped_and_counted(tmp_path, demo_folder):

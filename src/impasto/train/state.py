@@ -69,8 +69,8 @@ def prepare_run_dir(config: Config, resume: bool, main: bool = True) -> Path:
     """Create the run directory and write the resolved config and its hash into it (``main``:
     this process does; the other ranks of a parallel run only name it).
 
-    With ``resume=False`` an earlier run's checkpoints, metrics and bad-data report move into
-    ``previous-<time>/`` rather than deleted: starting over never destroys results. The
+    With ``resume=False`` an earlier run's outputs (checkpoints, metrics, grids, reports) move
+    into ``previous-<time>/`` rather than deleted: starting over never destroys results. The
     caller holds the directory's lock (:mod:`impasto.train.run_lock`), so the ``.tmp-*``
     leftovers of saves and prunes that a kill interrupted are removed here.
     """
@@ -82,15 +82,36 @@ def prepare_run_dir(config: Config, resume: bool, main: bool = True) -> Path:
     if leftovers:
         names = ", ".join(path.name for path in leftovers)
         print(f"impasto: removed what interrupted saves left behind: {names}")
-    earlier = [run_dir / name for name in (CHECKPOINTS, METRICS_FILE, "tensorboard", BAD_DATA_FILE)]
-    earlier = [path for path in earlier if path.exists()]
-    if not resume and earlier:
-        archive = run_dir / time.strftime("previous-%Y%m%d-%H%M%S")
-        archive.mkdir()
-        for path in earlier:
-            shutil.move(str(path), str(archive / path.name))
+    if not resume:
+        archive_earlier_run(run_dir)
     (run_dir / "config.yaml").write_text(config_text(config), encoding="utf-8")
     return run_dir
+
+
+# What a run writes into its directory, moved aside as a whole by --no-resume.
+RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, "tensorboard", "samples", BAD_DATA_FILE, "buckets.txt",
+               "draftp-summary.json")  # fmt: skip
+
+
+def archive_earlier_run(run_dir: Path) -> Path | None:
+    """Move an earlier run's outputs (and its config) into a new ``previous-<time>/`` folder;
+    says where. None when there was no earlier run."""
+    earlier = [run_dir / name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if not earlier:
+        return None
+    stamp = time.strftime("previous-%Y%m%d-%H%M%S")
+    archive, number = run_dir / stamp, 1
+    while archive.exists():  # two starts over in one second
+        number += 1
+        archive = run_dir / f"{stamp}-{number}"
+    archive.mkdir()
+    if (run_dir / "config.yaml").exists():
+        earlier.append(run_dir / "config.yaml")
+    for path in earlier:
+        shutil.move(str(path), str(archive / path.name))
+    print(f"impasto: --no-resume: the earlier run ({', '.join(p.name for p in earlier)}) is "
+          f"in {archive}")  # fmt: skip
+    return archive
 
 
 def config_text(config: Config) -> str:
