@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusionXLPipeline
@@ -13,7 +16,7 @@ from tiny_inputs import tiny_unet_output
 from impasto.checkpoint.trained import load_trained
 from impasto.cli import main
 from impasto.config import build_config
-from impasto.export import merge_adapters
+from impasto.export import ExportOptions, export_checkpoint, merge_adapters
 from impasto.models.io import to_pipeline
 from impasto.models.lora_kohya import from_kohya
 from impasto.models.presets import build_tiny
@@ -298,3 +301,19 @@ def test_merge_lora_adds_a_kohya_lora_to_another_model(tiny_raw, tmp_path):
         for key, tensor in getattr(exported, part).state_dict().items():
             expected = before[key] + 0.5 * (lora_delta[key] - base_state[key])
             torch.testing.assert_close(tensor, expected, rtol=1e-5, atol=1e-6, msg=f"{part} {key}")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_exports_and_checkpoints_follow_the_umask(tiny_raw, tmp_path, umask):
+    """safetensors creates 0600 files; impasto's files get what the umask says (0644 / 0600)."""
+    previous = os.umask(umask)
+    try:
+        run = _run(tiny_raw, tmp_path, "lora", parts={"unet": "lora"}, lora={"rank": 4})
+        lora = export_checkpoint(run, "lora-kohya", tmp_path / "lora.safetensors")
+        folder = export_checkpoint(run, "lora-diffusers", tmp_path / "pipe", ExportOptions("fp32"))
+    finally:
+        os.umask(previous)
+    checkpoint = run / "checkpoints" / "step-00000002"
+    files = [lora, *checkpoint.iterdir(), *(p for p in folder.rglob("*") if p.is_file())]
+    assert {stat.S_IMODE(path.stat().st_mode) for path in files} == {0o666 & ~umask}
+    assert stat.S_IMODE(checkpoint.stat().st_mode) == 0o777 & ~umask

@@ -34,6 +34,7 @@ from impasto.models.lora_kohya import merge_kohya, to_kohya
 from impasto.models.parts import ADAPTER_NAME, merge_adapters
 from impasto.models.sdxl import PART_NAMES as PARTS
 from impasto.models.single_file import save_single_file
+from impasto.permissions import apply_umask
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -236,4 +237,4 @@ def export_checkpoint(
         raise ValueError(
             "export: --merge-lora adds a LoRA to a full model (diffusers, single-file)"
         )
-    return EXPORTERS[fmt](checkpoint, out, options)
+    return apply_umask(EXPORTERS[fmt](checkpoint, out, options))

@@ -48,6 +48,7 @@ from impasto.checkpoint.state import (
 )
 from impasto.checkpoint.stateful import FORMAT, Stateful, is_json, load_saved
 from impasto.distributed import RunGroup
+from impasto.permissions import apply_umask
 
 LAYOUT = "sharded"
 METADATA_FILE = ".metadata"  # DCP's
@@ -154,6 +155,7 @@ def commit(root: Path, pending: PendingSave, final: Path, keep_last: int) -> Non
         (tmp / name).write_text(text, encoding="utf-8")
     state = pending.state | {FILES_KEY: file_sizes(tmp)}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
+    apply_umask(tmp)
     _fsync_tree(tmp)
     commit_checkpoint(root, tmp, final)
     prune_checkpoints(root, keep_last)

@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from impasto.faults import fault_point
+from impasto.permissions import apply_umask
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -110,6 +111,7 @@ def save_checkpoint(root: Path, step: int, data: CheckpointData, keep_last: int)
         # state.json last: its presence marks a complete checkpoint even without the rename.
         state = data.state | {FILES_KEY: file_sizes(tmp)}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
+        apply_umask(tmp)  # safetensors writes 0600: teammates on a cluster could not read it
         _fsync_tree(tmp)
         commit_checkpoint(root, tmp, final)
     except BaseException as error:

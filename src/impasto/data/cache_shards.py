@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from impasto.faults import fault_point
+from impasto.permissions import apply_umask
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """``write(tmp_path)``, flush to disk, then rename to ``path`` (a reader sees all or none)."""
     tmp = path.with_name(f".tmp-{path.name}.partial")  # matches no reader's pattern
     write(tmp)
+    apply_umask(tmp)  # the cache is shared by runs and users: safetensors writes 0600
     with open(tmp, "rb+") as handle:
         os.fsync(handle.fileno())
     fault_point("cache.shard")
