@@ -182,7 +182,8 @@ def test_images_without_captions_are_left_out_counted_and_named(images, tiny_raw
     assert "left out 1 images without a caption: " + str(images[3]) in capsys.readouterr().out
     tiny_raw["data"]["max_bad_fraction"] = 0.2
     with pytest.raises(
-        ValueError, match=r"1 images have no caption \(25% of the samples > data.max_bad_fraction"
+        ValueError,
+        match=r"1 of 4 images unusable \(1 without a caption\); allowed: 20% \(data.max_bad",
     ):
         load_records(build_config(tiny_raw))
     tiny_raw["data"]["missing_captions"] = "empty"

@@ -223,7 +223,10 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path, demo_folder):
     raw = copy.deepcopy(raw)
     raw["data"]["max_bad_fraction"] = 0.0
     raw["train"].update(output_dir=str(tmp_path / "run2"), max_steps=6)
-    with pytest.raises(ValueError, match="data: 1 of 16 images were unusable"):
+    with pytest.raises(
+        ValueError,
+        match=r"data: 1 of 16 images unusable; allowed: 0% \(data.max_bad_fraction\); see ",
+    ):
         train(build_config(raw))
 
 

@@ -132,17 +132,22 @@ def check_bad_fraction(
     if fraction <= max_bad_fraction:
         return
     uncaptioned = sum(item.reason == NO_CAPTION for item in skipped)
-    parts = [f"{uncaptioned} images have no caption"] if uncaptioned else []
+    parts = [f"{uncaptioned} without a caption"] if uncaptioned else []
     if bad > uncaptioned:
-        parts.append(f"{bad - uncaptioned} items are unreadable")
+        parts.append(f"{bad - uncaptioned} unreadable")
     fixes = "fix or remove them"
     if uncaptioned:
         fixes = "add captions (or set data.missing_captions: empty), " + fixes
     where = f"see {report}" if report else f"e.g. {skipped[0].name}: {skipped[0].reason}"
     raise ValueError(
-        f"data: {' and '.join(parts)} ({fraction:.0%} of the samples > data.max_bad_fraction "
-        f"{max_bad_fraction}); {where}; {fixes}"
+        f"data: {bad} of {bad + num_usable} images unusable ({', '.join(parts)}); allowed: "
+        f"{bad_fraction_text(max_bad_fraction)}; {where}; {fixes}"
     )
+
+
+def bad_fraction_text(max_bad_fraction: float) -> str:
+    """``data.max_bad_fraction`` as a reader takes it: "5% (data.max_bad_fraction)"."""
+    return f"{max_bad_fraction * 100:g}% (data.max_bad_fraction)"
 
 
 def num_items(records: Sequence[ImageRecord]) -> int:

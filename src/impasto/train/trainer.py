@@ -24,6 +24,7 @@ from impasto.config import Config, config_hash
 from impasto.data import derive_seed
 from impasto.data.dataset import Skipped
 from impasto.data.pipeline import prepare_run_data
+from impasto.data.records import bad_fraction_text
 from impasto.distributed import RunGroup, run_group
 from impasto.faults import fault_point
 from impasto.logging import MetricsLogger
@@ -334,9 +335,9 @@ class Trainer:
         fraction = bad / max(1, attempted)
         if attempted >= len(self.data.records) + len(self.data.scan_skipped) and fraction > limit:
             raise ValueError(
-                f"data: {bad} of {attempted} images were unusable "
-                f"({fraction:.0%} > data.max_bad_fraction {limit}); see "
-                f"{self.data.bad_data.path}, then remove or fix the broken files"
+                f"data: {bad} of {attempted} images unusable; allowed: "
+                f"{bad_fraction_text(limit)}; see {self.data.bad_data.path}, then remove or "
+                "fix the broken files"
             )
 
     def validate(self, metrics: MetricsLogger | None, progress: tqdm) -> None:
