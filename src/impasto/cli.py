@@ -332,9 +332,15 @@ def _error_lines(error: Exception) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from impasto.train.signals import EXIT_INTERRUPTED, StopRequest
+    from impasto.train.signals import (
+        EXIT_INTERRUPTED,
+        StopRequest,
+        forget_interrupts,
+        raised_interrupt,
+    )
 
     args = build_parser().parse_args(argv)
+    forget_interrupts()
     if not _debug():
         _quiet_libraries()
     try:
@@ -342,24 +348,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         # saves first: see impasto.train.signals).
         with StopRequest():
             return args.func(args)
+    except Exception as error:
+        interrupt = raised_interrupt()
+        if interrupt is None:
+            return _report(error)
+        # The signal's Interrupted came out of library code as another error.
+        print(f"impasto: {interrupt}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt as error:
         print(f"impasto: {error or 'interrupted'}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (ValueError, FileNotFoundError) as error:
-        if _debug():
-            raise
+
+
+def _report(error: Exception) -> int:
+    """One line (or one per config problem) for a user's mistake, and the exit code; an
+    unexpected error is re-raised with its traceback."""
+    if _debug() or not isinstance(error, (ValueError, OSError, FloatingPointError)):
+        raise error
+    if isinstance(error, (ValueError, FileNotFoundError)):
         for line in _error_lines(error):
             print(f"impasto: error: {line}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as error:  # a folder without write permission, a disk full outside a save
-        if _debug():
-            raise
+    if isinstance(error, OSError):  # a folder without write permission, a disk full outside a save
         where = f": {error.filename}" if error.filename else ""
         print(f"impasto: error: {error.strerror or error}{where}", file=sys.stderr)
         return 1
-    except FloatingPointError as error:
-        print(f"impasto: error: {error}", file=sys.stderr)
-        return 1
+    print(f"impasto: error: {error}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

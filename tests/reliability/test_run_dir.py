@@ -337,3 +337,26 @@ def test_an_alias_bomb_in_a_checkpoints_config_does_not_stall_the_resume(
     raw = raw_config(demo_folder, run_dir, 6)
     assert main(["train", str(write_config(config, raw))]) == 0
     assert "resumed from" in capsys.readouterr().out
+
+
+def test_a_signal_that_library_code_turns_into_another_error_still_exits_130(monkeypatch, capsys):
+    """torch's C++ can catch the KeyboardInterrupt a signal handler raises in the middle of a
+    call and raise a ValueError instead: the CLI still reports the signal, exit 130."""
+    import impasto.cli as cli
+
+    def loading(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except KeyboardInterrupt as error:
+            raise ValueError("could not determine the shape of object type 'Storage'") from error
+
+    monkeypatch.setattr(cli, "cmd_doctor", loading)
+    assert main(["doctor"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "impasto: SIGTERM received during start-up; stopped before training (nothing new to "
+        "save; run the same command again to continue)"
+    ]
+    monkeypatch.undo()
+    monkeypatch.setattr(cli, "cmd_doctor", lambda args: int("not a number"))
+    assert main(["doctor"]) == 2  # the next command's own error is its own again
+    assert "impasto: error: invalid literal" in capsys.readouterr().err

@@ -25,6 +25,26 @@ class Interrupted(KeyboardInterrupt):
     """A signal stopped the process at once; the message says what was kept."""
 
 
+# Process-wide, as signals are: the Interrupted raised by a handler, kept because library code
+# it passes through may turn it into another error (torch's C++ wraps it in a ValueError).
+_raised: list[Interrupted] = []
+
+
+def raised_interrupt() -> Interrupted | None:
+    """The Interrupted a signal handler raised since :func:`forget_interrupts`, if one did."""
+    return _raised[-1] if _raised else None
+
+
+def forget_interrupts() -> None:
+    """Start a command afresh (the CLI, before each command it runs)."""
+    _raised.clear()
+
+
+def _interrupt(message: str) -> Interrupted:
+    _raised.append(Interrupted(message))
+    return _raised[-1]
+
+
 class StopRequest:
     """Handles SIGTERM / SIGINT from :meth:`install` to :meth:`restore`: raising
     :class:`Interrupted` at once until :meth:`defer` (start-up), then setting ``requested``
@@ -53,12 +73,12 @@ class StopRequest:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if not self.deferred:
-            raise Interrupted(
+            raise _interrupt(
                 f"{name} received during start-up; stopped before training (nothing new to "
                 "save; run the same command again to continue)"
             )
         if self.requested and signum == signal.SIGINT:
-            raise Interrupted(
+            raise _interrupt(
                 f"second {name}: stopped at once without saving this step (the newest "
                 "checkpoint is kept; run the same command again to resume from it)"
             )
