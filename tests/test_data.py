@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -482,3 +483,25 @@ def test_caption_dropout_rate_and_determinism(tmp_path: Path) -> None:
     assert all(dropping[key].caption in ("", records[key[1]].caption) for key in keys)
     with pytest.raises(ValueError, match=r"data.caption_dropout: must be in \[0, 1\]"):
         ImageCaptionDataset(records, 16, "center", False, seed=0, caption_dropout=1.5)
+
+
+def test_kohya_folder_names_give_repeats_unless_turned_off(demo_folder, tmp_path, capsys):
+    from impasto.data.folder import scan_folder
+
+    images = sorted(demo_folder.glob("*.png"))
+    for folder, chosen in (("3_cats", images[:2]), ("dogs", images[2:3]), ("20231124_trip", [])):
+        (tmp_path / folder).mkdir()
+        for image in chosen:
+            shutil.copyfile(image, tmp_path / folder / image.name)
+            shutil.copyfile(image.with_suffix(".txt"), tmp_path / folder / f"{image.stem}.txt")
+    names = [record.image_path.parent.name for record in scan_folder(tmp_path, None, True).records]
+    assert names == ["3_cats"] * 6 + ["dogs"]  # each cat image three times, in a row
+    assert "subfolder 3_cats: 3 repeats" in capsys.readouterr().out
+    assert len(scan_folder(tmp_path, None, False).records) == 3  # data.folder_repeats: false
+    assert len(scan_folder(tmp_path, {"3_cats": (2, 1.0)}, True).records) == 5  # config wins
+    shutil.copyfile(images[3], tmp_path / "20231124_trip" / images[3].name)
+    shutil.copyfile(
+        images[3].with_suffix(".txt"), tmp_path / "20231124_trip" / f"{images[3].stem}.txt"
+    )
+    with pytest.raises(ValueError, match="'20231124_trip' reads as 20231124 repeats .* false"):
+        scan_folder(tmp_path, None, True)

@@ -44,6 +44,11 @@ class SourceConfig(Section):
     subfolders: dict[str, SubfolderConfig] = Field(
         default_factory=dict, description="folder: top-level subfolder → repeats and weight"
     )
+    folder_repeats: bool = Field(
+        True,
+        description="folder: a top-level subfolder named N_name (kohya's habit) repeats its "
+        "images N times unless subfolders sets it; false: every subfolder once",
+    )
     split: str | None = Field("train", description="hf: the split")
     image_column: str = Field("image", description="hf: the image column")
     caption_column: str | None = Field("text", description="hf: the caption column (null: none)")
@@ -70,6 +75,11 @@ class DataConfig(Section):
     )
     subfolders: dict[str, SubfolderConfig] = Field(
         default_factory=dict, description="folder: top-level subfolder → repeats and weight"
+    )
+    folder_repeats: bool = Field(
+        True,
+        description="folder: a top-level subfolder named N_name (kohya's habit) repeats its "
+        "images N times unless subfolders sets it; false: every subfolder once",
     )
     sources: list[SourceConfig] = Field(
         default_factory=list,
@@ -146,7 +156,14 @@ class DataConfig(Section):
             return list(self.sources)
         if self.prompts is not None:
             return []
-        return [SourceConfig(source=self.source, path=self.path, subfolders=self.subfolders)]
+        return [
+            SourceConfig(
+                source=self.source,
+                path=self.path,
+                subfolders=self.subfolders,
+                folder_repeats=self.folder_repeats,
+            )
+        ]
 
     @model_validator(mode="after")
     def _valid_buckets(self) -> DataConfig:

@@ -17,7 +17,8 @@ import io
 import json
 import logging
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -162,7 +163,38 @@ def scan_image_folder(
     return scan_folder(root, subfolders).logged_records()
 
 
-def scan_folder(root: Path, subfolders: Mapping[str, tuple[int, float]] | None = None) -> Scan:
+KOHYA_FOLDER = re.compile(r"^(\d+)_(.+)$")  # kohya's "10_sks dog": 10 repeats
+MAX_FOLDER_REPEATS = 10000  # as data.subfolders.*.repeats
+
+
+def folder_repeats(
+    names: Iterable[str], subfolders: Mapping[str, tuple[int, float]]
+) -> dict[str, tuple[int, float]]:
+    """``subfolders`` plus, for each other top-level folder named ``N_name``, ``N`` repeats
+    (weight 1), as kohya's trainers read such folders; printed, so the repeats never come as a
+    surprise. An ``N`` above :data:`MAX_FOLDER_REPEATS` (a date, say) is a one-line error."""
+    found = dict(subfolders)
+    for name in sorted(set(names) - set(subfolders)):
+        match = KOHYA_FOLDER.match(name)
+        if match is None:
+            continue
+        repeats = int(match.group(1))
+        if not 1 <= repeats <= MAX_FOLDER_REPEATS:
+            raise ValueError(
+                f"data: subfolder {name!r} reads as {repeats} repeats (kohya's N_name); rename "
+                "it, set its repeats in data.subfolders, or set data.folder_repeats: false"
+            )
+        found[name] = (repeats, 1.0)
+        print(f"impasto: subfolder {name}: {repeats} repeats (N_name; data.folder_repeats: "
+              "false turns this off)")  # fmt: skip
+    return found
+
+
+def scan_folder(
+    root: Path,
+    subfolders: Mapping[str, tuple[int, float]] | None = None,
+    kohya_repeats: bool = False,
+) -> Scan:
     """Every image under ``root`` (recursively) with its caption.
 
     Images are files whose suffix is in :data:`IMAGE_EXTENSIONS`, in any letter case. Files and
@@ -175,6 +207,8 @@ def scan_folder(root: Path, subfolders: Mapping[str, tuple[int, float]] | None =
         subfolders: top-level subfolder name → (repeats, weight): its images appear
             ``repeats`` times per epoch (consecutive copies, each its own augmentation) and
             carry loss weight ``weight`` (kohya's ``N_name`` folders, made explicit).
+        kohya_repeats: a top-level folder named ``N_name`` that ``subfolders`` does not list
+            repeats its images ``N`` times (:func:`folder_repeats`).
 
     Returns:
         One :class:`ImageRecord` per image (and repeat), sorted by relative path; an image
@@ -207,6 +241,8 @@ def scan_folder(root: Path, subfolders: Mapping[str, tuple[int, float]] | None =
             f"data.subfolders: {root} has no subfolder {missing[0]!r} with images; "
             f"subfolders with images: {', '.join(sorted(present)) or 'none'}"
         )
+    if kohya_repeats:
+        subfolders = folder_repeats(present, subfolders)
     scan = Scan()
     for relative in relative_paths:
         try:

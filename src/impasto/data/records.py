@@ -39,7 +39,7 @@ def shard_index_dir(config: Any) -> Path:
 
 def _folder_scan(source: Any, index_dir: Path) -> Scan:
     subfolders = {name: (sub.repeats, sub.weight) for name, sub in source.subfolders.items()}
-    return scan_folder(Path(source.path), subfolders)
+    return scan_folder(Path(source.path), subfolders, source.folder_repeats)
 
 
 def _manifest_scan(source: Any, index_dir: Path) -> Scan:
