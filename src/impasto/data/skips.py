@@ -86,9 +86,10 @@ class BadDataLog:
             lines = path.read_text(encoding="utf-8").splitlines()
             self.names = {line.split("\t")[0] for line in lines}
 
-    def record(self, skipped: Sequence[Skipped], write: bool = True) -> int:
-        """Add the items not listed yet (``write``: to the file too; rank 0 of a run writes);
-        returns how many were new, the count of distinct bad items they add."""
+    def record(self, skipped: Sequence[Skipped], write: bool = True) -> None:
+        """Add the items not listed yet (``write``: to the file too; rank 0 of a run writes).
+        The counts are the trainer's (``TrainState.count_bad``): the report may run ahead of
+        a resumed checkpoint."""
         new = distinct([item for item in skipped if item.name not in self.names])
         if new and write:
             with self.path.open("a", encoding="utf-8") as handle:
@@ -96,4 +97,3 @@ class BadDataLog:
                     reason = " ".join(item.reason.split())  # one line, no tab
                     handle.write(f"{item.name}\t{reason}\n")
         self.names.update(item.name for item in new)
-        return len(new)
