@@ -132,6 +132,23 @@ def test_overrides_are_typed_and_validated(tiny_raw, tmp_path):
         load_config(path, ["optim.lr.x=1"])
 
 
+def test_setting_model_path_or_preset_replaces_the_other(tiny_raw, tmp_path):
+    """A preset config names model.preset: tiny; `--set model.path=...` alone points it at a
+    single file (and back), while a file that names both stays an error."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_raw))
+    config = load_config(path, ["model.path=/models/sd_xl_base_1.0.safetensors"])
+    assert (config.model.preset, config.model.path) == (None, "/models/sd_xl_base_1.0.safetensors")
+    config = load_config(path, ["model.path=/models/a.safetensors", "model.preset=tiny"])
+    assert (config.model.preset, config.model.path) == ("tiny", None)
+    with pytest.raises(ConfigError, match="set exactly one of model.preset"):
+        load_config(path, ["model.preset=null"])
+    both = tiny_raw | {"model": {"preset": "tiny", "path": "/models/a.safetensors"}}
+    path.write_text(yaml.safe_dump(both))
+    with pytest.raises(ConfigError, match="set exactly one of model.preset"):
+        load_config(path)
+
+
 def test_config_is_frozen_and_hash_tracks_content(tiny_raw):
     config = build_config(tiny_raw)
     with pytest.raises(ValidationError):

@@ -101,10 +101,18 @@ def build_config(raw: dict[str, Any]) -> Config:
         raise ConfigError("\n".join(_describe_all(error))) from None
 
 
+# Keys that name the same thing two ways: setting one with --set drops the other from the file,
+# so `--set model.path=sdxl.safetensors` works on a config that names a preset (and back).
+ALTERNATIVES = {"model.path": "model.preset", "model.preset": "model.path"}
+
+
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     raw = read_yaml(path)
     for assignment in overrides:
         apply_override(raw, assignment)
+        key = assignment.partition("=")[0].strip()
+        if key in ALTERNATIVES and raw["model"][key.split(".")[1]] is not None:
+            raw["model"].pop(ALTERNATIVES[key].split(".")[1], None)
     return build_config(raw)
 
 

@@ -52,6 +52,11 @@ class ModelConfig(Section):
     path: PathStr | None = Field(
         None, description="a diffusers SDXL folder, or a single-file .safetensors checkpoint"
     )
+    vae: PathStr | None = Field(
+        None,
+        description="another VAE: a diffusers AutoencoderKL folder or a .safetensors file "
+        "(diffusers or original layout), e.g. an fp16-fix SDXL VAE; default: the model's own",
+    )
     init_seed: Seed = Field(0, description="seed of the random init of preset models")
     allow_pickle: bool = Field(
         False, description="read a .ckpt/.pt single file (torch.load, weights_only)"

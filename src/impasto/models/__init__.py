@@ -42,7 +42,12 @@ def load_components(
 def load_model(config) -> SDXLComponents:
     """The components ``config.model`` names (a :class:`~impasto.config.Config`)."""
     model = config.model
-    return load_components(model.preset, model.path, model.init_seed, model.allow_pickle)
+    components = load_components(model.preset, model.path, model.init_seed, model.allow_pickle)
+    if model.vae is not None:  # another VAE (e.g. an fp16-fix one)
+        from impasto.models.vae_swap import load_vae
+
+        components.vae = load_vae(model.vae, components.vae)
+    return components
 
 
 from impasto.models import sdxl  # noqa: E402  (registers the "sdxl" family)

@@ -1,0 +1,109 @@
+"""``model.vae``: another VAE in place of the model's own, e.g. an fp16-fix SDXL VAE.
+
+Three forms are read, all offline:
+
+- a diffusers ``AutoencoderKL`` folder (``config.json`` + weights), or a whole diffusers SDXL
+  folder, whose ``vae/`` is taken;
+- a ``.safetensors`` file with diffusers names (``encoder.down_blocks.0.resnets.0...``), such as
+  ``sdxl.vae.safetensors`` of the fp16-fix VAE; the architecture is the model's own VAE's (or
+  the config impasto stored in the file, see :mod:`impasto.models.vae_files`);
+- a ``.safetensors`` file in the original (LDM) layout (``encoder.down.0.block.0...``, with or
+  without a ``first_stage_model.`` / ``vae.`` prefix), such as Stability's ``sdxl_vae.safetensors``;
+  renamed by diffusers' own converter.
+
+Every problem (no such path, another kind of file, missing tensors, wrong shapes) is one line
+naming ``model.vae``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL
+from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+from safetensors import SafetensorError, safe_open
+
+from impasto.models.vae_files import CONFIG_KEY
+
+DIFFUSERS_KEY = "encoder.down_blocks.0.resnets.0.conv1.weight"
+LDM_KEY = "encoder.down.0.block.0.conv1.weight"  # after a first_stage_model. / vae. prefix
+LDM_PREFIXES = ("", "first_stage_model.", "vae.")
+CONFIG_NAME = "config.json"
+
+
+def _error(path: Path, problem: str) -> ValueError:
+    return ValueError(f"model.vae {path}: {problem}")
+
+
+def load_vae(path: str | Path, like: AutoencoderKL) -> AutoencoderKL:
+    """The VAE at ``path`` (a folder or a ``.safetensors`` file), float32, in eval mode.
+
+    ``like`` is the model's own VAE: its architecture is used for a file that carries none,
+    and the new VAE must fit it (the same latent channels), so the denoiser reads its latents.
+    """
+    path = Path(path)
+    if path.is_dir():
+        vae = _load_folder(path)
+    elif path.is_file():
+        if path.suffix.lower() != ".safetensors":
+            raise _error(path, "expected a diffusers VAE folder or a .safetensors file")
+        vae = _load_file(path, like)
+    else:
+        raise _error(path, "no such file or folder; give a diffusers VAE folder or a "
+                     ".safetensors file")  # fmt: skip
+    latent, expected = vae.config.latent_channels, like.config.latent_channels
+    if latent != expected:
+        raise _error(path, f"a VAE with {latent} latent channels; this model's has {expected}")
+    return vae.float().eval().requires_grad_(False)
+
+
+def _load_folder(path: Path) -> AutoencoderKL:
+    folder = path / "vae" if (path / "vae" / CONFIG_NAME).is_file() else path
+    if not (folder / CONFIG_NAME).is_file():
+        raise _error(path, f"no {CONFIG_NAME}; expected a diffusers AutoencoderKL folder")
+    try:
+        with torch.random.fork_rng(devices=[]):  # the throwaway init draws from the global RNG
+            return AutoencoderKL.from_pretrained(str(folder), local_files_only=True)
+    except Exception as error:  # corrupt weights, a config of another model, missing files
+        raise _error(path, f"cannot load it as an AutoencoderKL ({_first_line(error)})") from None
+
+
+def _load_file(path: Path, like: AutoencoderKL) -> AutoencoderKL:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as error:
+        raise _error(path, f"cannot read it as safetensors ({_first_line(error)})") from None
+    config = json.loads(metadata[CONFIG_KEY]) if CONFIG_KEY in metadata else dict(like.config)
+    with torch.random.fork_rng(devices=[]):
+        vae = AutoencoderKL.from_config(config)
+    if DIFFUSERS_KEY in tensors:
+        state = tensors
+    elif any(prefix + LDM_KEY in tensors for prefix in LDM_PREFIXES):
+        state = convert_ldm_vae_checkpoint(tensors, vae.config)
+    else:
+        raise _error(path, "not a VAE: it has neither diffusers nor original (LDM) VAE names")
+    expected = vae.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise _error(path, f"{len(missing)} VAE tensors missing (e.g. {missing[0]}); is it an "
+                     "SDXL VAE?")  # fmt: skip
+    for key, tensor in expected.items():
+        found = state[key]
+        if found.shape != tensor.shape:
+            if found.numel() == tensor.numel():  # 1x1-conv attention of old files
+                state[key] = found.reshape(tensor.shape)
+                continue
+            raise _error(path, f"{key} has shape {tuple(found.shape)}, this model's VAE "
+                         f"{tuple(tensor.shape)}; is it a VAE of another model?")  # fmt: skip
+    vae.load_state_dict({key: state[key].float() for key in expected}, strict=True)
+    return vae
+
+
+def _first_line(error: BaseException) -> str:
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
