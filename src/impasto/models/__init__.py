@@ -42,6 +42,11 @@ def load_components(
 def load_model(config) -> SDXLComponents:
     """The components ``config.model`` names (a :class:`~impasto.config.Config`)."""
     model = config.model
+    if model.path is not None:
+        from impasto.models.markers import check_objective_fits
+
+        objective = config.objective
+        check_objective_fits(model.path, objective.prediction_type, objective.zero_terminal_snr)
     components = load_components(model.preset, model.path, model.init_seed, model.allow_pickle)
     if model.vae is not None:  # another VAE (e.g. an fp16-fix one)
         from impasto.models.vae_swap import load_vae

@@ -1,0 +1,72 @@
+"""The presets users copy: each trains on the tiny model with exactly the commands its comments
+give, and the `--set` lines that point it at a user's model and data resolve as promised."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from impasto.cli import main
+from impasto.config import load_config
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+PRESETS = ("sdxl-lora.yaml", "sdxl-full.yaml", "sdxl-dreambooth.yaml", "sdxl-vpred-lora.yaml")
+SMOKE_HEADING = "Smoke test"
+
+
+def commented_commands(path: Path) -> tuple[list[list[str]], list[list[str]]]:
+    """The ``impasto`` commands in the file's leading comment, continuation lines joined:
+    ``(for the user's model, the smoke test)``, split as a shell would."""
+    user, smoke = [], []
+    current = user
+    pending = ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if SMOKE_HEADING in text:
+            current = smoke
+        text = pending + " " + text if pending else text
+        if text.endswith("\\"):
+            pending = text[:-1].strip()
+            continue
+        pending = ""
+        if text.startswith("impasto "):
+            current.append(shlex.split(text)[1:])
+    return user, smoke
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_the_set_lines_point_the_preset_at_the_users_model(name: str):
+    user, smoke = commented_commands(CONFIGS / name)
+    trains = [args for args in user if args[0] == "train"]
+    assert trains and smoke, "the comments give a training command and a smoke test"
+    for args in trains:
+        overrides = [args[i + 1] for i, arg in enumerate(args) if arg == "--set"]
+        assert any(o.startswith("model.path=") for o in overrides)
+        config = load_config(CONFIGS / name, overrides)
+        expected = dict(o.split("=", 1) for o in overrides)
+        assert (config.model.preset, config.model.path) == (None, expected["model.path"])
+        if "data.path" in expected:
+            assert config.data.path == expected["data.path"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_preset_trains_two_steps_on_the_tiny_model_as_its_comments_say(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    _, smoke = commented_commands(CONFIGS / name)
+    monkeypatch.chdir(tmp_path)  # the presets' relative data/ and runs/ land here
+    for args in smoke:
+        if args[0] == "train":
+            assert args[1] == f"configs/{name}"
+            args = ["train", str(CONFIGS / name), *args[2:]]
+        assert main(args) == 0, args
+    config = load_config(CONFIGS / name, [a for a in smoke[-1] if "=" in a])
+    assert config.model.preset == "tiny"
+    checkpoint = Path(config.train.output_dir) / "checkpoints" / "step-00000002"
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert state["train"]["step"] == 2, state["train"]
