@@ -186,3 +186,40 @@ def test_a_run_with_offloaded_blocks_trains_like_one_without(tmp_path, demo_fold
     offloaded["memory"]["compile"] = "blocks"
     with pytest.raises(ValueError, match="set memory.compile: none"):
         build_config(offloaded)
+
+
+def test_frozen_weights_in_bf16_halve_them_and_train_like_fp32(tmp_path, demo_folder) -> None:
+    """memory.frozen_dtype: bf16 holds the base weights under LoRA adapters and the frozen text
+    encoders in bf16; the adapters stay fp32 and, under bf16 autocast (which rounds the weights
+    to bf16 for every matmul anyway), train almost exactly as with fp32 base weights."""
+    from impasto.train.setup import build_step_setup
+
+    raw = {
+        "model": {"preset": "tiny"},
+        "data": {"path": str(demo_folder), "resolution": 64, "batch_size": 2},
+        "parts": {"unet": "lora", "text_encoder": "lora"},
+        "optim": {"lr": 1e-3},
+        "train": {"output_dir": str(tmp_path / "fp32"), "max_steps": 3, "seed": 1,
+                  "mixed_precision": "bf16"},  # fmt: skip
+        "log": {"tensorboard": False, "progress_bar": False},
+    }
+    half = copy.deepcopy(raw)
+    half["memory"] = {"frozen_dtype": "bf16"}
+    half["train"]["output_dir"] = str(tmp_path / "bf16")
+    setup = build_step_setup(build_config(half), torch.device("cpu"), torch.bfloat16)
+    for part in ("unet", "text_encoder", "text_encoder_2"):
+        for name, parameter in getattr(setup.backbone.components, part).named_parameters():
+            expected = torch.float32 if parameter.requires_grad else torch.bfloat16
+            assert parameter.dtype == expected, (part, name)
+    assert any(p.requires_grad for p in setup.backbone.components.unet.parameters())
+    runs = [train(build_config(settings)) for settings in (raw, half)]
+    losses = [
+        [json.loads(line)["loss"] for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+        for r in runs
+    ]
+    assert len(losses[0]) == 3 and losses[0] != losses[1]
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+    with pytest.raises(ValueError, match="set train.mixed_precision: bf16"):
+        build_config({**half, "train": {"max_steps": 1}})
+    with pytest.raises(ValueError, match="parallel.param_dtype: bf16 instead"):
+        build_config({**half, "parallel": {"strategy": "fsdp"}})

@@ -294,6 +294,12 @@ class MemoryConfig(Section):
     vae_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="the VAE's weights (fp16 overflows in SDXL's VAE; not offered)"
     )
+    frozen_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="weights nothing trains: frozen text encoders and the base weights under "
+        "LoRA adapters (bf16 halves them: SDXL's UNet 10.3 → 5.1 GB); needs "
+        "train.mixed_precision: bf16",
+    )
 
     @field_validator("gradient_checkpointing")
     @classmethod
@@ -484,6 +490,11 @@ class Config(Section):
                 "every step); set memory.compile: none"
             )
         self._parallel_options_fit()
+        if memory.frozen_dtype == "bf16" and self.train.mixed_precision != "bf16":
+            raise ValueError(
+                "memory.frozen_dtype: bf16 weights meet fp32 activations without autocast; set "
+                "train.mixed_precision: bf16 (pure_bf16 already holds every weight in bf16)"
+            )
         pure_bf16 = self.train.mixed_precision == "pure_bf16"
         if pure_bf16 and self.optim.name not in PURE_BF16_OPTIMIZERS:
             raise ValueError(
@@ -513,6 +524,11 @@ class Config(Section):
                 "set memory.offload_blocks: false (fsdp shards the weights instead)"
             )
         sharded = strategy in ("fsdp", "hsdp")
+        if sharded and memory.frozen_dtype == "bf16":
+            raise ValueError(
+                f"memory.frozen_dtype: bf16 mixes dtypes in one sharded group of "
+                f"parallel.strategy {strategy}; set parallel.param_dtype: bf16 instead"
+            )
         if sharded and self.optim.name == "adamw_8bit":
             raise ValueError(
                 f"optim.name adamw_8bit (bitsandbytes) cannot step the sharded weights of "

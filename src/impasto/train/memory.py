@@ -74,12 +74,21 @@ def compile_denoiser(
         block.compile(**options)
 
 
-def set_weight_dtypes(backbone: Backbone, mixed_precision: str, vae_dtype: str) -> None:
+def set_weight_dtypes(
+    backbone: Backbone, mixed_precision: str, vae_dtype: str, frozen_dtype: str = "fp32"
+) -> None:
     """``pure_bf16``: the trainable parts hold bf16 weights; the frozen networks (the VAE) as
-    ``vae_dtype``."""
+    ``vae_dtype``. ``frozen_dtype`` bf16: every parameter of the parts that does not train (a
+    frozen text encoder, the base weights under adapters) in bf16; what trains keeps fp32.
+    Call it once the parts say what trains (``requires_grad``)."""
     if mixed_precision == "pure_bf16":
         for module in backbone.parts().values():
             module.to(torch.bfloat16)
+    elif frozen_dtype == "bf16":
+        for module in backbone.parts().values():
+            for parameter in module.parameters():
+                if not parameter.requires_grad:
+                    parameter.data = parameter.data.to(torch.bfloat16)
     for module in backbone.frozen().values():
         module.to(torch.bfloat16 if vae_dtype == "bf16" else torch.float32)
 

@@ -143,7 +143,10 @@ def build_step_setup(
         count = init_adapters_from_kohya(trainable, config.lora)
         print(f"impasto: started {count} LoRA layers from {config.lora.init_from}")
     set_train_mode(trainable, backbone)
-    set_weight_dtypes(backbone, config.train.mixed_precision, config.memory.vae_dtype)
+    memory = config.memory
+    set_weight_dtypes(
+        backbone, config.train.mixed_precision, memory.vae_dtype, memory.frozen_dtype
+    )
     backbone.to(device)
     autocast = combined(
         autocast_factory(device, precision), attention_context(config.memory.attention)
