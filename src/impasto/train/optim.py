@@ -77,7 +77,8 @@ def build_adamw_8bit(params: Iterable, config: OptimConfig) -> torch.optim.Optim
         import bitsandbytes
     except ImportError:
         raise ValueError(
-            "optim.name adamw_8bit needs bitsandbytes: pip install impasto[bnb]"
+            "optim.name adamw_8bit needs bitsandbytes: pip install bitsandbytes (or, in the "
+            "impasto checkout, pip install -e '.[bnb]')"
         ) from None
     groups = _as_groups(params)
     if not _all_on_cuda(groups):
@@ -103,7 +104,8 @@ def build_prodigy(params: Iterable, config: OptimConfig) -> torch.optim.Optimize
         from prodigyopt import Prodigy
     except ImportError:
         raise ValueError(
-            "optim.name prodigy needs prodigyopt: pip install impasto[prodigy]"
+            "optim.name prodigy needs prodigyopt: pip install prodigyopt (or, in the impasto "
+            "checkout, pip install -e '.[prodigy]')"
         ) from None
     return Prodigy(
         groups,
