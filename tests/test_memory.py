@@ -199,8 +199,12 @@ def test_frozen_weights_in_bf16_halve_them_and_train_like_fp32(tmp_path, demo_fo
         "data": {"path": str(demo_folder), "resolution": 64, "batch_size": 2},
         "parts": {"unet": "lora", "text_encoder": "lora"},
         "optim": {"lr": 1e-3},
-        "train": {"output_dir": str(tmp_path / "fp32"), "max_steps": 3, "seed": 1,
-                  "mixed_precision": "bf16"},  # fmt: skip
+        "train": {
+            "output_dir": str(tmp_path / "fp32"),
+            "max_steps": 3,
+            "seed": 1,
+            "mixed_precision": "bf16",
+        },
         "log": {"tensorboard": False, "progress_bar": False},
     }
     half = copy.deepcopy(raw)
@@ -214,7 +218,10 @@ def test_frozen_weights_in_bf16_halve_them_and_train_like_fp32(tmp_path, demo_fo
     assert any(p.requires_grad for p in setup.backbone.components.unet.parameters())
     runs = [train(build_config(settings)) for settings in (raw, half)]
     losses = [
-        [json.loads(line)["loss"] for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+        [
+            json.loads(line)["loss"]
+            for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
         for r in runs
     ]
     assert len(losses[0]) == 3 and losses[0] != losses[1]

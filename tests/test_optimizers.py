@@ -312,7 +312,7 @@ def test_adafactor_steps_by_lr_with_groups():
 def test_adamw_8bit_without_bitsandbytes(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes the import fail
     _, groups = small_model_groups()
-    with pytest.raises(ValueError, match=r"pip install bitsandbytes \(or, in the impasto checkout, pip install -e '\.\[bnb\]'\)"):
+    with pytest.raises(ValueError, match=r"pip install bitsandbytes .* pip install -e '\.\[bnb\]'"):
         OPTIMIZERS["adamw_8bit"](groups, OptimConfig(name="adamw_8bit"))
 
 
@@ -326,7 +326,9 @@ def test_adamw_8bit_on_cpu_params(monkeypatch: pytest.MonkeyPatch):
 def test_prodigy_without_its_package(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "prodigyopt", None)
     model = torch.nn.Linear(4, 2)
-    with pytest.raises(ValueError, match=r"pip install prodigyopt \(or, in the impasto checkout, pip install -e '\.\[prodigy\]'\)"):
+    with pytest.raises(
+        ValueError, match=r"pip install prodigyopt .* pip install -e '\.\[prodigy\]'"
+    ):
         OPTIMIZERS["prodigy"](model.parameters(), OptimConfig(name="prodigy", lr=1.0))
 
 

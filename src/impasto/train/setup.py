@@ -144,9 +144,7 @@ def build_step_setup(
         print(f"impasto: started {count} LoRA layers from {config.lora.init_from}")
     set_train_mode(trainable, backbone)
     memory = config.memory
-    set_weight_dtypes(
-        backbone, config.train.mixed_precision, memory.vae_dtype, memory.frozen_dtype
-    )
+    set_weight_dtypes(backbone, config.train.mixed_precision, memory.vae_dtype, memory.frozen_dtype)
     backbone.to(device)
     autocast = combined(
         autocast_factory(device, precision), attention_context(config.memory.attention)
