@@ -13,12 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from impasto.cli import main
 from impasto.config import load_config
 from impasto.data.demo import DEMO_COLORS, DEMO_SHAPES
 from impasto.demo_score import score_demo_checkpoint
+from impasto.sampling.grid import CellLabel, labelled_grid
 from impasto.train.trainer import train
 
 DEMO_CONFIG = Path(__file__).parents[1] / "configs" / "demo.yaml"
@@ -73,4 +75,10 @@ def test_demo_wrote_validation_grids(demo_run):
         f"step-{step:08d}.png" for step in range(every, last + 1, every)
     ]
     with Image.open(grids[-1]) as grid:
-        assert grid.size == (2 + 3 * 66, 2 + 3 * 66)  # 9 prompts in a 3x3 grid of 64 px tiles
+        size = grid.size
+    # 9 prompts in a labelled 3x3 grid of 64 px samples, each enlarged to a 256 px cell
+    labels = [
+        CellLabel(prompt, config.sample.seed + i) for i, prompt in enumerate(config.sample.prompts)
+    ]
+    expected = labelled_grid([torch.zeros(3, 64, 64)] * 9, labels, f"demo  step {last}", 3)
+    assert size == expected.image.size and size[0] == 4 + 3 * (256 + 4)

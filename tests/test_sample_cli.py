@@ -38,11 +38,15 @@ def test_validation_grids_are_written_to_disk_and_tensorboard(sampled_run):
     grids = sorted(p.name for p in (sampled_run / "samples").iterdir())
     assert grids == ["step-00000002.png", "step-00000004.png"]
     with Image.open(sampled_run / "samples" / grids[-1]) as grid:
-        # 2 prompts x 2 images of 64 px, 2 px padding around and between tiles.
-        assert grid.size == (2 + 2 * 66, 2 + 2 * 66)
+        # 2 prompts x 2 images of 64 px enlarged 4x to 256, 4 px apart and around; labels and
+        # a header make it taller than wide.
+        assert grid.width == 2 * (256 + 4) + 4 and grid.height > grid.width
+        size = grid.size
     events = EventAccumulator(str(sampled_run / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
-    assert [e.step for e in events.Images("samples")] == [2, 4]
+    logged = events.Images("samples")
+    assert [e.step for e in logged] == [2, 4]
+    assert (logged[-1].width, logged[-1].height) == size  # TensorBoard gets the labelled grid
 
 
 def test_sample_command_reproduces_images_for_a_seed(sampled_run, tmp_path, capsys):

@@ -1,29 +1,41 @@
-"""``impasto sample``: images from a trained checkpoint, written as PNGs with their parameters."""
+"""``impasto sample``: images from a trained checkpoint or an exported model, written as PNGs.
+
+The model (:func:`open_model`) is an impasto run or checkpoint, or an exported SDXL model: a
+single-file ``.safetensors`` (impasto's or another tool's) or a diffusers folder. What the
+request leaves unset comes from the model: a run's ``sample`` section (steps, guidance, sampler,
+negative prompt, seed, size, spacing), for an exported model diffusers' defaults and what the
+file says about how it samples (:mod:`impasto.sample_source`). Each prompt may override its own
+options (a prompt file, :mod:`impasto.sampling.prompt_file`). docs/sampling.md.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
+from torch import Tensor
 
-from impasto.checkpoint.trained import build_starting_backbone, load_trained
+from impasto.checkpoint.trained import build_starting_backbone
 from impasto.config import Config
 from impasto.models.backbone import Backbone
 from impasto.models.parts import has_adapters, without_adapters
 from impasto.objectives import training_alphas_cumprod
+from impasto.sample_source import SamplingModel, open_model
 from impasto.sampling import generate, model_forward, to_pil
 from impasto.sampling.anneal import Annealing, ModelForward, anneal_weights
+from impasto.sampling.prompt_file import PromptOptions, SamplePrompt, read_prompt_file
 
 
-def model_sampling_options(config: Config, spacing: str | None = None) -> dict:
+def model_sampling_options(config: Config | SamplingModel, spacing: str | None = None) -> dict:
     """The ``generate`` options fixed by how the model was trained: its prediction type, its
     schedule (for flow its shift), and the timestep spacing (default: ``sample.spacing``;
     unset, trailing for a zero-terminal-SNR schedule, so sampling starts at the terminal σ
-    (Lin et al. 2023, §3.3), else SDXL's leading).
+    (Lin et al. 2023, §3.3), else SDXL's leading). ``config``: a run's config, or any object
+    with its ``objective`` and ``sample`` sections (a :class:`SamplingModel`).
     """
     objective = config.objective
     spacing = spacing or config.sample.spacing
@@ -40,17 +52,66 @@ def model_sampling_options(config: Config, spacing: str | None = None) -> dict:
 
 @dataclass(frozen=True)
 class SampleRequest:
-    prompts: tuple[str, ...]
-    negative_prompt: str = ""
+    """What ``impasto sample`` was asked; None takes the model's default (a run's ``sample``
+    section; for an exported model the section's defaults and the model's size)."""
+
+    prompts: tuple[str, ...] = ()
+    prompts_file: str | None = None  # more prompts, after ``prompts``, with their own options
     num_images: int = 1  # per prompt; image i of a prompt uses seed + i
-    seed: int = 0
-    num_steps: int = 30
-    guidance_scale: float = 5.0
-    sampler: str = "euler"
-    size: int | None = None  # default: the checkpoint's data.resolution
+    batch_size: int = 1  # images generated (and held in memory) at once
+    captions: bool = False  # write each image's prompt beside it as NAME.txt
+    negative_prompt: str | None = None
+    seed: int | None = None
+    num_steps: int | None = None
+    guidance_scale: float | None = None
+    guidance_rescale: float | None = None
+    sampler: str | None = None
+    size: int | None = None  # square side in pixels
     spacing: str | None = None  # default: see model_sampling_options
     ema: bool = False  # sample with the checkpoint's EMA weights
     anneal: str | None = None  # annealed guidance with the base model (sampling/anneal.py)
+
+    def all_prompts(self) -> list[SamplePrompt]:
+        """The command line's prompts, then the prompt file's (read now: errors come early)."""
+        prompts = [SamplePrompt(text) for text in self.prompts]
+        if self.prompts_file is not None:
+            prompts += read_prompt_file(self.prompts_file)
+        if not prompts:
+            raise ValueError("no prompt to sample; give --prompt TEXT or --prompts-file FILE")
+        return prompts
+
+    def prompt_defaults(self, model: SamplingModel) -> PromptOptions:
+        """Every per-prompt option: the request's where given, else the model's."""
+        sample = model.sample
+        defaults = PromptOptions(
+            negative_prompt=sample.negative_prompt,
+            width=model.width,
+            height=model.height,
+            num_steps=sample.num_steps,
+            seed=sample.seed,
+            guidance_scale=sample.guidance_scale,
+        )
+        given = PromptOptions(
+            negative_prompt=self.negative_prompt,
+            width=self.size,
+            height=self.size,
+            num_steps=self.num_steps,
+            seed=self.seed,
+            guidance_scale=self.guidance_scale,
+        )
+        return given.over(defaults)
+
+    def shared_options(self, model: SamplingModel) -> SharedOptions:
+        """The options of every prompt: the request's where given, else the model's."""
+        rescale = self.guidance_rescale
+        return SharedOptions(
+            sampler=self.sampler or model.sample.sampler,
+            guidance_rescale=model.sample.guidance_rescale if rescale is None else rescale,
+            spacing=self.spacing,
+            num_images=self.num_images,
+            batch_size=self.batch_size,
+            anneal=self.anneal,
+        )
 
 
 def _slug(text: str) -> str:
@@ -89,12 +150,26 @@ def save_new(image: Image.Image, out_dir: Path, index: int, prompt: str, seed: i
             index += 1
 
 
-def _parameters(prompt: str, request: SampleRequest, seed: int, size: int) -> str:
-    anneal = "" if request.anneal is None else f", Anneal: {request.anneal}"
+@dataclass(frozen=True)
+class SharedOptions:
+    """The options of a request that apply to every prompt."""
+
+    sampler: str
+    guidance_rescale: float
+    spacing: str | None  # None: model_sampling_options' default
+    num_images: int  # per prompt
+    batch_size: int
+    anneal: str | None
+
+
+def parameters_text(prompt: str, options: PromptOptions, shared: SharedOptions, seed: int) -> str:
+    """The PNG's ``parameters`` text, in A1111's layout."""
+    anneal = "" if shared.anneal is None else f", Anneal: {shared.anneal}"
     return (
-        f"{prompt}\nNegative prompt: {request.negative_prompt}\n"
-        f"Steps: {request.num_steps}, Sampler: {request.sampler}, "
-        f"CFG scale: {request.guidance_scale}, Seed: {seed}, Size: {size}x{size}{anneal}"
+        f"{prompt}\nNegative prompt: {options.negative_prompt}\n"
+        f"Steps: {options.num_steps}, Sampler: {shared.sampler}, "
+        f"CFG scale: {options.guidance_scale}, Guidance rescale: {shared.guidance_rescale}, "
+        f"Seed: {seed}, Size: {options.width}x{options.height}{anneal}"
     )
 
 
@@ -123,44 +198,92 @@ def base_model_forward(config: Config, backbone: Backbone) -> ModelForward:
     return model_forward(backbone.with_denoiser(base))
 
 
+def _annealing(request: SampleRequest, model: SamplingModel) -> Annealing | None:
+    if request.anneal is None:
+        return None
+    if model.config is None:
+        raise ValueError(
+            f"--anneal mixes a run's model with the one it was tuned from; {model.source} is an "
+            "exported model that does not name its base; anneal the run's checkpoint instead"
+        )
+    return Annealing(request.anneal, base_model_forward(model.config, model.backbone))
+
+
 def sample_checkpoint(
     checkpoint: str | Path, request: SampleRequest, out_dir: str | Path
 ) -> list[Path]:
-    """Generate ``request`` with the checkpoint's model; returns the written PNG paths.
+    """Generate ``request`` with the model at ``checkpoint`` (:func:`open_model`); returns the
+    written PNG paths.
 
     Each PNG carries its parameters in a ``parameters`` text chunk (as A1111 writes them), and
     is named :func:`image_name`: numbered on from the folder's images, never overwriting one.
-    The same seed gives the same image, whatever the number of prompts or images.
-    ``request.anneal`` mixes in the base model (:func:`base_model_forward`) with that schedule.
+    Images are written as each batch of ``request.batch_size`` is done. The same seed gives the
+    same image, whatever the number of prompts, images or the batch size. ``request.captions``
+    writes each prompt beside its image as ``NAME.txt`` (a caption folder to train on, e.g.
+    DreamBooth's class images). ``request.anneal`` mixes in the base model
+    (:func:`base_model_forward`) with that schedule.
     """
+    if request.num_images < 1 or request.batch_size < 1:
+        raise ValueError(
+            f"--num and --batch-size must be >= 1, got {request.num_images} and "
+            f"{request.batch_size}"
+        )
+    prompts = request.all_prompts()  # a bad prompt file or spec fails before loading
     if request.anneal is not None:
-        anneal_weights(request.anneal, request.num_steps)  # a bad spec fails before loading
-    config, backbone = load_trained(checkpoint, ema=request.ema)
-    anneal = None
-    if request.anneal is not None:
-        anneal = Annealing(request.anneal, base_model_forward(config, backbone))
-    size = request.size or config.data.resolution  # generate() checks it against the VAE
+        anneal_weights(request.anneal, 1)
+    model = open_model(checkpoint, ema=request.ema)
+    anneal = _annealing(request, model)
+    shared = request.shared_options(model)
+    defaults = request.prompt_defaults(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written, index = [], next_index(out_dir)
-    for prompt in request.prompts:
-        images = generate(
-            backbone,
-            [prompt] * request.num_images,
-            negative_prompt=request.negative_prompt,
-            num_steps=request.num_steps,
-            guidance_scale=request.guidance_scale,
-            sampler=request.sampler,
-            seed=request.seed,
-            height=size,
-            width=size,
-            anneal=anneal,
-            **model_sampling_options(config, request.spacing),
-        )
-        for offset, image in enumerate(to_pil(images)):
-            seed = request.seed + offset
-            info = PngInfo()
-            info.add_text("parameters", _parameters(prompt, request, seed, size))
-            path, index = save_new(image, out_dir, index, prompt, seed, info)
-            written.append(path)
+    for prompt in prompts:
+        prompt_options = prompt.options.over(defaults)
+        for first in range(0, shared.num_images, shared.batch_size):
+            count = min(shared.batch_size, shared.num_images - first)
+            seed = prompt_options.seed + first
+            options = replace(prompt_options, seed=seed)
+            images = generate_prompt(model, prompt.text, options, count, shared, anneal)
+            for offset, image in enumerate(to_pil(images)):
+                info = PngInfo()
+                parameters = parameters_text(prompt.text, options, shared, seed + offset)
+                info.add_text("parameters", parameters)
+                path, index = save_new(image, out_dir, index, prompt.text, seed + offset, info)
+                if request.captions:
+                    write_caption(path, prompt.text)
+                written.append(path)
     return written
+
+
+def write_caption(image_path: Path, prompt: str) -> None:
+    """``prompt`` as the caption of ``image_path``: the same name with ``.txt``, created
+    exclusively (a stray caption file of that name is an error, never overwritten)."""
+    with open(image_path.with_suffix(".txt"), "x", encoding="utf-8") as caption:
+        caption.write(prompt + "\n")
+
+
+def generate_prompt(
+    model: SamplingModel,
+    prompt: str,
+    options: PromptOptions,
+    num_images: int,
+    shared: SharedOptions,
+    anneal: Annealing | None,
+) -> Tensor:
+    """``num_images`` images of ``prompt``, ``[k, 3, H, W]`` in [0, 1], image i from seed
+    ``options.seed + i``."""
+    return generate(
+        model.backbone,
+        [prompt] * num_images,
+        negative_prompt=options.negative_prompt,
+        num_steps=options.num_steps,
+        guidance_scale=options.guidance_scale,
+        guidance_rescale=shared.guidance_rescale,
+        sampler=shared.sampler,
+        seed=options.seed,
+        height=options.height,
+        width=options.width,
+        anneal=anneal,
+        **model_sampling_options(model, shared.spacing),
+    )

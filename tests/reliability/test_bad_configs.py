@@ -211,6 +211,8 @@ WRONG_VALUES: list[tuple[str, Any, str]] = [
     ("data.resolution", MAX_RESOLUTION + 8, "data.resolution: input should be less than"),
     ("data.resolution", 1e9, "data.resolution: input should be less than or equal to 16384"),
     ("sample.resolution", 12, "sample.resolution: must be a multiple of 8"),
+    ("sample.guidance_rescale", 1.5, "sample.guidance_rescale: input should be less than or eq"),
+    ("sample.prompts_file", "/nonexistent/p.txt", "sample.prompts_file: /nonexistent/p.txt: pro"),
     ("draftp.resolution", 100, "draftp.resolution: must be a multiple of 8"),
     ("data.batch_size", 10_000_000, "data.batch_size: input should be less than or equal to"),
     ("data.batch_size", "yes", "data.batch_size: input should be a valid integer"),
@@ -367,6 +369,8 @@ def misc_cases() -> list[Bad]:
         Bad("two-bad-prompts", ("sample.prompts.0: input should be a valid string, got 1",
             "sample.prompts.1: input should be a valid string, got 2"),
             (("sample.prompts", [1, 2]),)),
+        Bad("prompts-file-bad-line", (("sample.prompts_file: ", "a-file.txt:1: unknown option "
+            "--folder"),), (("sample.prompts_file", FILE),)),
         Bad("set-no-equals", ("--set 'optim.lr': expected KEY=VALUE",), sets=("optim.lr",)),
         Bad("set-no-key", ("expected KEY=VALUE",), sets=("=5",)),
         Bad("set-empty-part", ("--set a..b: empty part in the dotted key",), sets=("a..b=1",)),
@@ -413,7 +417,7 @@ def run_case(case: Bad, folder: Path) -> tuple[int, float]:
     """Exit code and seconds of ``impasto train CONFIG --print-config`` (capsys holds the
     streams)."""
     file = folder / "a-file.txt"
-    file.write_text("not a folder\n")
+    file.write_text("not a folder --folder\n")  # as a prompt file: an unknown option
     path = folder / "config.yaml"
     sets = list(case.sets)
     if case.text is not None:

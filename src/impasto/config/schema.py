@@ -414,25 +414,41 @@ class ParallelConfig(Section):
 
 
 class SampleConfig(Section):
-    """Validation samples during training: a grid of ``prompts`` every ``every_steps`` steps."""
+    """Validation samples during training: a grid of ``prompts`` (then those of
+    ``prompts_file``) every ``every_steps`` steps; also the run's ``impasto sample`` defaults."""
 
     every_steps: Int = Field(0, ge=0, le=MAX_STEPS, description="0: no samples during training")
     prompts: tuple[str, ...] = ()
+    prompts_file: PathStr | None = Field(
+        None,
+        description="more prompts, one per line after sample.prompts, with kohya's per-prompt "
+        "options --n --w --h --s --d --l (docs/sampling.md); relative to the working directory",
+    )
     negative_prompt: str = ""
     images_per_prompt: Int = Field(1, ge=1, le=MAX_IMAGES_PER_PROMPT)
     num_steps: Int = Field(30, ge=1, le=MAX_SAMPLER_STEPS)
     guidance_scale: Float = Field(5.0, ge=0)
+    guidance_rescale: Float = Field(
+        0.0, ge=0, le=1, description="phi of Lin et al. 2023, 3.4 (0: off; they use 0.7)"
+    )
     sampler: str = "euler"
     spacing: Literal["leading", "trailing", "linspace"] | None = Field(
         None, description="default: trailing with zero terminal SNR, else leading (SDXL)"
     )
-    seed: Seed = Field(0, description="image i of a prompt uses seed + i")
+    seed: Seed = Field(
+        0,
+        description="grid image j (prompt-major) uses seed + j unless its line sets --d; "
+        "impasto sample: image i of each prompt uses seed + i",
+    )
     resolution: Resolution | None = Field(None, description="default: data.resolution")
 
     @model_validator(mode="after")
     def _check(self) -> SampleConfig:
-        if self.every_steps and not self.prompts:
-            raise ValueError("every_steps is set but prompts is empty; add validation prompts")
+        if self.every_steps and not self.prompts and self.prompts_file is None:
+            raise ValueError(
+                "every_steps is set but prompts is empty and prompts_file unset; add "
+                "validation prompts"
+            )
         return self
 
 

@@ -3,7 +3,8 @@
 ``schedules``, ``samplers``, ``guidance`` and ``denoisers`` are pure tensor functions (torch
 only, k-diffusion style); ``process`` holds what differs per kind of model (VP or flow);
 ``generate`` composes them with any backbone (the protocol of ``impasto.models.backbone``)
-without importing a model family.
+without importing a model family. ``prompt_file`` reads prompt files with kohya's per-prompt
+options (pure Python); ``grid`` tiles labelled validation grids (PIL).
 """
 
 from impasto.sampling.denoisers import PREDICTION_TYPES, denoised_from_prediction, vp_denoiser
@@ -20,6 +21,7 @@ from impasto.sampling.generate import (
     sdxl_alphas_cumprod,
     to_pil,
 )
+from impasto.sampling.grid import CellLabel, labelled_grid
 from impasto.sampling.guidance import cfg, guided_output, rescale_cfg
 from impasto.sampling.process import (
     SAMPLING_PROCESSES,
@@ -29,6 +31,12 @@ from impasto.sampling.process import (
     sampling_plan,
     ve_to_vp,
     vp_plan,
+)
+from impasto.sampling.prompt_file import (
+    PromptOptions,
+    SamplePrompt,
+    parse_prompt_line,
+    read_prompt_file,
 )
 from impasto.sampling.samplers import (
     SAMPLERS,
@@ -58,8 +66,11 @@ __all__ = [
     "SAMPLERS",
     "SAMPLING_PROCESSES",
     "SPACINGS",
+    "CellLabel",
     "Denoiser",
     "NoiseFn",
+    "PromptOptions",
+    "SamplePrompt",
     "SamplerSpec",
     "SamplingPlan",
     "SamplingRequest",
@@ -76,9 +87,12 @@ __all__ = [
     "initial_noise",
     "initial_noise_scale",
     "karras_ladder",
+    "labelled_grid",
     "make_grid",
     "model_forward",
     "noise_source",
+    "parse_prompt_line",
+    "read_prompt_file",
     "rescale_cfg",
     "sample_ddim",
     "sample_dpmpp_2m",

@@ -236,7 +236,40 @@ def sample_problems(sample: SampleConfig, objective: ObjectiveConfig) -> list[st
             f"sample.sampler: {sample.sampler!r} cannot sample a flow model; "
             f"flow samplers: {', '.join(sorted(FLOW_SAMPLERS))}"
         ]
-    return []
+    return prompts_file_problems(sample, objective)
+
+
+def prompts_file_problems(sample: SampleConfig, objective: ObjectiveConfig) -> list[str]:
+    """A ``sample.prompts_file`` that cannot be read, a bad line (``FILE:LINE``), a line's
+    steps past the schedule, or prompt sizes that differ when the method measures the
+    validation images as one batch (draftp): found now, not at the first validation."""
+    if sample.prompts_file is None:
+        return []
+    from impasto.sampling.prompt_file import read_prompt_file
+    from impasto.train.methods import METHODS
+
+    try:
+        prompts = read_prompt_file(sample.prompts_file)
+    except ValueError as error:
+        return [f"sample.prompts_file: {error}"]
+    problems = []
+    T = objective.num_train_timesteps
+    for prompt in prompts:
+        steps = prompt.options.num_steps
+        if steps is not None and steps >= T and not objective.is_flow:
+            problems.append(
+                f"sample.prompts_file: {prompt.where}: --s {steps}: a sampler visits fewer "
+                f"timesteps than objective.num_train_timesteps ({T}); lower it"
+            )
+    sized = [p for p in prompts if p.options.width is not None or p.options.height is not None]
+    method = METHODS.get(objective.method)
+    if sized and hasattr(method, "validation_metrics"):
+        problems.append(
+            f"sample.prompts_file: {sized[0].where}: objective.method {objective.method} "
+            "measures the validation images as one batch of one size; remove --w and --h "
+            "(set sample.resolution instead)"
+        )
+    return problems
 
 
 def _raise_if_any(problems: list[str]) -> None:

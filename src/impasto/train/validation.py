@@ -1,9 +1,19 @@
-"""Validation samples during training: a grid of the config's prompts, to disk and TensorBoard."""
+"""Validation samples during training: a labelled grid of the run's prompts, to disk and
+TensorBoard.
+
+The prompts are ``sample.prompts``, then the lines of ``sample.prompts_file``, each with the
+options its line sets (kohya's ``--n --w --h --s --d --l``; :mod:`impasto.sampling.prompt_file`).
+The caller may read them once (:func:`validation_prompts`) and pass them to every round: the
+ranks of a parallel run render in lockstep, so they must not read a file edited in between.
+Image j of the grid (prompt-major, ``images_per_prompt`` per prompt) uses seed
+``sample.seed + j`` unless its line sets ``--d``; consecutive prompts that share their options
+are generated in one batch.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -11,28 +21,81 @@ import torch
 from torch import Tensor
 
 from impasto.config import Config
+from impasto.config.schema import SampleConfig
 from impasto.inference import model_sampling_options
 from impasto.models.backbone import Backbone
-from impasto.sampling import generate, make_grid
+from impasto.sampling import generate
+from impasto.sampling.grid import CellLabel, labelled_grid
+from impasto.sampling.prompt_file import PromptOptions, SamplePrompt, read_prompt_file
 
 
-def sample_grid(config: Config, backbone: Backbone) -> Tensor:
-    """``images_per_prompt`` samples of every validation prompt, ``[N, 3, H, W]`` in [0, 1]."""
+def validation_prompts(sample: SampleConfig) -> list[SamplePrompt]:
+    """``sample.prompts``, then the prompts of ``sample.prompts_file``."""
+    prompts = [SamplePrompt(text) for text in sample.prompts]
+    if sample.prompts_file is not None:
+        prompts += read_prompt_file(sample.prompts_file)
+    return prompts
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """Consecutive prompts sampled together: the same options, seeds following on."""
+
+    prompts: tuple[str, ...]
+    options: PromptOptions  # every option set; ``seed`` is the first image's
+
+
+def prompt_batches(
+    prompts: list[SamplePrompt], defaults: PromptOptions, images_per_prompt: int
+) -> list[PromptBatch]:
+    """Group ``prompts`` into batches; prompt p's first image has seed ``defaults.seed +
+    p·images_per_prompt`` unless its line sets one (``generate`` gives row i seed + i)."""
+    batches: list[PromptBatch] = []
+    for index, prompt in enumerate(prompts):
+        seed = defaults.seed + index * images_per_prompt
+        options = prompt.options.over(replace(defaults, seed=seed))
+        if batches:
+            last = batches[-1]
+            follows = last.options.seed + len(last.prompts) * images_per_prompt == options.seed
+            if follows and replace(last.options, seed=options.seed) == options:
+                batches[-1] = replace(last, prompts=(*last.prompts, prompt.text))
+                continue
+        batches.append(PromptBatch((prompt.text,), options))
+    return batches
+
+
+def sample_defaults(config: Config) -> PromptOptions:
+    """The options of a prompt that sets none: the run's ``sample`` section."""
     sample = config.sample
-    resolution = sample.resolution or config.data.resolution
-    prompts = [prompt for prompt in sample.prompts for _ in range(sample.images_per_prompt)]
-    return generate(
-        backbone,
-        prompts,
-        negative_prompt=sample.negative_prompt,
-        num_steps=sample.num_steps,
-        guidance_scale=sample.guidance_scale,
-        sampler=sample.sampler,
-        seed=sample.seed,
-        height=resolution,
-        width=resolution,
-        **model_sampling_options(config),
+    size = sample.resolution or config.data.resolution
+    return PromptOptions(
+        sample.negative_prompt, size, size, sample.num_steps, sample.seed, sample.guidance_scale
     )
+
+
+def sample_batches(config: Config, backbone: Backbone, batches: list[PromptBatch]) -> list[Tensor]:
+    """Each batch's images ``[n·images_per_prompt, 3, H, W]`` float32 in [0, 1]."""
+    sample = config.sample
+    images = []
+    for batch in batches:
+        options = batch.options
+        images.append(
+            generate(
+                backbone,
+                list(batch.prompts),
+                num_images_per_prompt=sample.images_per_prompt,
+                negative_prompt=options.negative_prompt,
+                num_steps=options.num_steps,
+                guidance_scale=options.guidance_scale,
+                guidance_rescale=sample.guidance_rescale,
+                sampler=sample.sampler,
+                seed=options.seed,
+                height=options.height,
+                width=options.width,
+                **model_sampling_options(config),
+            )
+        )
+    return images
 
 
 def grid_columns(num_prompts: int, images_per_prompt: int) -> int:
@@ -42,27 +105,49 @@ def grid_columns(num_prompts: int, images_per_prompt: int) -> int:
 
 @dataclass(frozen=True)
 class ValidationGrid:
-    """One validation round: where the grid went, the grid ``[3, H, W]`` in [0, 1] and the
-    images ``[N, 3, h, w]`` with their prompts (``images_per_prompt`` consecutive rows each)."""
+    """One validation round: where the grid went, the labelled grid ``[3, H, W]`` in [0, 1],
+    the images as generated (``[N, 3, h, w]``; a list of ``[3, h_i, w_i]`` when a prompt file
+    gives prompts different sizes), and the prompt of each image (``images_per_prompt``
+    consecutive images per prompt)."""
 
     path: Path
     grid: Tensor
-    images: Tensor
+    images: Tensor | list[Tensor]
     prompts: list[str]
 
 
 def write_validation_grid(
-    config: Config, backbone: Backbone, run_dir: Path, step: int, save: bool = True
+    config: Config,
+    backbone: Backbone,
+    run_dir: Path,
+    step: int,
+    save: bool = True,
+    prompts: list[SamplePrompt] | None = None,
 ) -> ValidationGrid:
     """Render the grid and save it as ``RUN/samples/step-XXXXXXXX.png``.
-    ``save``: write the file (rank 0 of a parallel run; every rank renders, in lockstep)."""
-    sample = config.sample
-    images = sample_grid(config, backbone)
-    grid = make_grid(images, nrow=grid_columns(len(sample.prompts), sample.images_per_prompt))
+    ``save``: write the file (rank 0 of a parallel run; every rank renders, in lockstep).
+    ``prompts``: :func:`validation_prompts` read once by the caller; None reads them now."""
+    per_prompt = config.sample.images_per_prompt
+    if prompts is None:
+        prompts = validation_prompts(config.sample)
+    batches = prompt_batches(prompts, sample_defaults(config), per_prompt)
+    images = [image for batch in sample_batches(config, backbone, batches) for image in batch]
+    labels = [
+        CellLabel(text, batch.options.seed + row)
+        for batch in batches
+        for row, text in enumerate(t for t in batch.prompts for _ in range(per_prompt))
+    ]
+    header = f"{run_dir.name}  step {step}"
+    grid = labelled_grid(images, labels, header, grid_columns(len(prompts), per_prompt)).image
     path = run_dir / "samples" / f"step-{step:08d}.png"
     if save:
         path.parent.mkdir(parents=True, exist_ok=True)
         grid.save(path)
     chw = torch.from_numpy(np.asarray(grid).copy()).permute(2, 0, 1).float() / 255.0
-    prompts = [prompt for prompt in sample.prompts for _ in range(sample.images_per_prompt)]
-    return ValidationGrid(path, chw, images, prompts)
+    same_size = len({tuple(image.shape) for image in images}) == 1
+    return ValidationGrid(
+        path,
+        chw,
+        torch.stack(images) if same_size else images,
+        [label.prompt for label in labels],
+    )
