@@ -96,12 +96,16 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     _quiet_progress_bars()
     request = SampleRequest(
-        prompts=tuple(args.prompt),
+        prompts=tuple(args.prompt or ()),
+        prompts_file=args.prompts_file,
         negative_prompt=args.negative,
         num_images=args.num,
+        batch_size=args.batch_size,
+        captions=args.captions,
         seed=args.seed,
         num_steps=args.steps,
         guidance_scale=args.cfg,
+        guidance_rescale=args.guidance_rescale,
         sampler=args.sampler,
         spacing=args.spacing,
         size=args.size,
@@ -127,6 +131,15 @@ def cmd_data_demo(args: argparse.Namespace) -> int:
 
     count = write_demo_dataset(Path(args.out_dir), args.num_images, args.size, seed=args.seed)
     print(f"impasto: wrote {count} images with captions to {args.out_dir}")
+    return 0
+
+
+def cmd_data_preview(args: argparse.Namespace) -> int:
+    config = _load_config(args)
+    from impasto.data.preview import preview_sheet
+
+    path = preview_sheet(config, args.out, args.num)
+    print(f"impasto: wrote {path}")
     return 0
 
 
@@ -182,32 +195,79 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", type=int, default=64)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_data_demo)
-
-    sample = sub.add_parser("sample", help="generate images from a checkpoint")
-    sample.add_argument(
-        "checkpoint", help="RUN directory (newest checkpoint) or RUN/checkpoints/step-N"
+    preview = data.add_parser(
+        "preview", help="a contact sheet of the first training examples, as the model sees them"
     )
-    sample.add_argument("--prompt", action="append", required=True, help="repeatable")
-    sample.add_argument("--negative", default="", help="negative prompt")
+    preview.add_argument("config", help="YAML config file")
+    preview.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)"
+    )
+    preview.add_argument("--out", required=True, help="the PNG to write")
+    preview.add_argument("--num", type=int, default=16, help="examples to show (default 16)")
+    preview.set_defaults(func=cmd_data_preview)
+
+    sample = sub.add_parser(
+        "sample",
+        help="generate images from a run, a checkpoint or an exported SDXL model",
+        description="Options left out take the run's sample.* values (for an exported model "
+        "their defaults, and its own size); a prompt file's per-line options override both.",
+    )
+    sample.add_argument(
+        "checkpoint",
+        help="RUN directory (newest checkpoint), RUN/checkpoints/step-N, an exported "
+        "single-file .safetensors or a diffusers SDXL folder",
+    )
+    sample.add_argument("--prompt", action="append", help="repeatable")
+    sample.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help="one prompt per line, after the --prompt ones; kohya's per-line options --n "
+        "NEGATIVE --w W --h H --s STEPS --d SEED --l CFG; '#' starts a comment line",
+    )
+    sample.add_argument("--negative", help="negative prompt (default: sample.negative_prompt)")
     sample.add_argument(
         "--num", type=int, default=1, help="images per prompt (seeds seed, seed+1, ...)"
     )
-    sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--steps", type=int, default=30)
-    sample.add_argument("--cfg", type=float, default=5.0, help="classifier-free guidance scale")
+    sample.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="images generated at once (default 1); written as each batch is done",
+    )
+    sample.add_argument(
+        "--captions",
+        action="store_true",
+        help="write each image's prompt beside it as NAME.txt (e.g. DreamBooth class images)",
+    )
+    sample.add_argument("--seed", type=int, help="default: sample.seed")
+    sample.add_argument("--steps", type=int, help="default: sample.num_steps")
+    sample.add_argument(
+        "--cfg", type=float, help="classifier-free guidance scale (default: sample.guidance_scale)"
+    )
+    sample.add_argument(
+        "--guidance-rescale",
+        type=float,
+        metavar="PHI",
+        help="guidance rescale phi in [0, 1] (Lin et al. 2023; default: sample.guidance_rescale)",
+    )
     sample.add_argument("--ema", action="store_true", help="sample with the EMA weights")
     sample.add_argument(
         "--sampler",
-        default="euler",
-        help="euler, euler_ancestral, ddim, dpmpp_2m, dpmpp_2m_karras (flow models: euler)",
+        help="euler, euler_ancestral, ddim, dpmpp_2m, dpmpp_2m_karras (flow models: euler); "
+        "default: sample.sampler",
     )
     sample.add_argument(
         "--spacing",
         choices=("leading", "trailing", "linspace"),
-        help="timestep spacing (default: the run's sample.spacing; trailing with zero terminal "
-        "SNR, else leading)",
+        help="timestep spacing (default: the run's sample.spacing, or a diffusers folder's "
+        "scheduler's; trailing with zero terminal SNR, else leading)",
     )
-    sample.add_argument("--size", type=int, default=None, help="default: the training resolution")
+    sample.add_argument(
+        "--size",
+        type=int,
+        help="square side in pixels (default: sample.resolution, else data.resolution; an "
+        "exported model's modelspec.resolution, else 1024 for SDXL)",
+    )
     sample.add_argument(
         "--anneal",
         metavar="SPEC",

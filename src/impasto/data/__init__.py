@@ -151,6 +151,7 @@ def build_dataloader(
     rank: int = 0,
     world_size: int = 1,
     cache: CachedEncodings | None = None,
+    caption_variants: int | None = None,
 ) -> tuple[DataLoader, ResumableBatchSampler]:
     """A shuffling, exactly resumable loader of :class:`Batch` (empty when all were skipped).
 
@@ -178,6 +179,7 @@ def build_dataloader(
         loss_weights: each record's loss weight, carried to ``Batch.loss_weights``.
         rank, world_size: this process's share of every step (``batch_size`` images each).
         cache: read latents and/or text encodings from the disk cache (:mod:`.cache`).
+        caption_variants: see :class:`ImageCaptionDataset` (None: the cache's setting).
 
     Returns:
         ``(loader, sampler)``.
@@ -195,6 +197,7 @@ def build_dataloader(
         caption_tools,
         loss_weights,
         cache,
+        caption_variants,
     )
     sampler = training_sampler(
         len(dataset), batch_size, seed, start_position, bucket_of, rank, world_size

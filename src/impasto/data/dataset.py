@@ -87,6 +87,10 @@ class ImageCaptionDataset(Dataset):
             exactly as it would be from the pixels, and a missing or mismatched entry is
             skipped like an unreadable image. With cached text, each example carries its
             caption's encoding (a caption missing from the cache is encoded on the fly).
+        caption_variants: with random caption tools, train epoch ``e`` with variant
+            ``e % caption_variants`` of each caption (what a text cache holds); None: the
+            cache's setting when it holds text, else 0 (every caption augmented afresh).
+            ``impasto data preview`` sets it to show a cached run's captions without a cache.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class ImageCaptionDataset(Dataset):
         caption_tools: CaptionTools | None = None,
         loss_weights: Sequence[float] | None = None,
         cache: CachedEncodings | None = None,
+        caption_variants: int | None = None,
     ) -> None:
         if not records:
             raise ValueError("data: the record list is empty; point the dataset at some images")
@@ -121,9 +126,10 @@ class ImageCaptionDataset(Dataset):
         self.loss_weights = None if loss_weights is None else list(loss_weights)
         self.cache = cache
         self.warned: set[str] = set()  # items logged already (this process: once, not per epoch)
-        text_cached = cache is not None and cache.text_fingerprint is not None
-        random_captions = text_cached and self.caption_tools.random
-        self.caption_variants = cache.caption_variants if random_captions else 0
+        if caption_variants is None:
+            text_cached = cache is not None and cache.text_fingerprint is not None
+            caption_variants = cache.caption_variants if text_cached else 0
+        self.caption_variants = caption_variants if self.caption_tools.random else 0
 
     def __len__(self) -> int:
         return len(self.records)

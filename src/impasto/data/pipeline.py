@@ -56,21 +56,23 @@ __all__ = [
 
 
 def place_in_buckets(
-    config: Any, records: list[ImageRecord], run_dir: Path | None
+    config: Any, records: list[ImageRecord], run_dir: Path | None, main: bool = True
 ) -> list[Bucket | None] | None:
     """Each record's aspect bucket (``data.buckets``), or None for square images.
 
     The bucket report (images per bucket, and every image that could not be placed with the
-    reason) is printed and saved to ``RUN/buckets.txt`` (with a ``run_dir``) before training.
+    reason) is printed (``main``: by this process) and saved to ``RUN/buckets.txt`` (with a
+    ``run_dir``) before training.
     """
-    return bucket_placement(config, records, run_dir)[0]
+    return bucket_placement(config, records, run_dir, main)[0]
 
 
 def bucket_placement(
-    config: Any, records: list[ImageRecord], run_dir: Path | None
+    config: Any, records: list[ImageRecord], run_dir: Path | None, main: bool = True
 ) -> tuple[list[Bucket | None] | None, list[Skipped]]:
     """:func:`place_in_buckets`, and the images left out because their header does not read
-    (they are never loaded, so the run's bad-data report learns of them here)."""
+    (they are never loaded, so the run's bad-data report learns of them here). ``main``:
+    this process prints the report (rank 0 of a run)."""
     buckets = buckets_from(config.data)
     if buckets is None:
         return None, []
@@ -78,8 +80,10 @@ def bucket_placement(
     text = bucket_report.format()
     if run_dir is not None:
         (run_dir / "buckets.txt").write_text(text + "\n", encoding="utf-8")
-    print(f"impasto: aspect buckets ({run_dir / 'buckets.txt' if run_dir else 'not saved'}):")
-    print(text)
+    if main:
+        where = run_dir / "buckets.txt" if run_dir else "not saved"
+        print(f"impasto: aspect buckets ({where}):")
+        print(text)
     unplaced = bucket_report.unplaced
     left_out = [Skipped(SCANNED, name, unplaced[name]) for name in bucket_report.unreadable]
     return bucket_of, left_out
@@ -173,6 +177,7 @@ class DataStream:
         rank: int = 0,
         world: int = 1,
         known_bad: set[str] | None = None,
+        caption_variants: int | None = None,
     ) -> None:
         data = config.data
         self.loader, self.sampler = build_dataloader(
@@ -190,6 +195,7 @@ class DataStream:
             cache=cache,
             rank=rank,
             world_size=world,
+            caption_variants=caption_variants,
         )
         self.known_bad = set(known_bad or ())
         self._iterator = None
@@ -271,23 +277,33 @@ class PromptStream:
 class RunData:
     """A run's data: its records, stream of micro-batches and length in optimizer steps; the
     bad-data report, and the items left out while the sources were read (``scan_skipped``:
-    already in the report, never in a batch; each counts as one unusable image)."""
+    already in the report, never in a batch; each counts as one unusable image).
+    ``bucket_of``: each record's bucket (None: no buckets); ``groups``: each image's group
+    (:mod:`impasto.data.census`)."""
 
     records: list[ImageRecord]
     stream: DataStream | PromptStream
     total_steps: int
     bad_data: BadDataLog
     scan_skipped: list[Skipped] = field(default_factory=list)
+    bucket_of: list[Bucket | None] | None = None
+    groups: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Per-rank batches (micro-batches) in an epoch."""
+        return self.stream.sampler.num_batches_per_epoch
 
 
 def prepare_run_data(
     config: Any,
     backbone: Any,
-    run_dir: Path,
+    run_dir: Path | None,
     images: bool,
     autocast: Any,
     precision: str,
     group: RunGroup | None = None,
+    pixels_only: bool = False,
 ) -> RunData:
     """Records, buckets, loss weights and (``cache.*: disk``) the filled cache, as a stream.
 
@@ -295,37 +311,48 @@ def prepare_run_data(
     ``group``: this process's rank in a parallel run (it loads its share of every step, and
     fills its share of the cache); rank 0 alone writes the reports. Items left out while the
     sources were read go to ``RUN/bad-data.tsv`` before training; more than
-    ``data.max_bad_fraction`` of them stops the run here.
+    ``data.max_bad_fraction`` of them stops the run here. ``run_dir`` None: no report is
+    written. ``pixels_only`` (``impasto data preview``): decode the images even when the
+    config caches them, with the crops and captions a cached run trains on (no cache is read
+    or filled; ``backbone`` may be None).
     """
     group = group or RunGroup()
     rank, world = group.rank, group.world
-    scan = scan_sources(config, group.is_main)
-    bad_data = BadDataLog(run_dir / BAD_DATA_FILE)
+    main = group.is_main
+    scan = scan_sources(config, main)
+    bad_data = BadDataLog(None if run_dir is None else run_dir / BAD_DATA_FILE)
     records = scan.records
     if not images:
-        left_out = report_left_out(config, bad_data, scan.skipped, records, group.is_main)
+        left_out = report_left_out(config, bad_data, scan.skipped, records, main)
         total = count_total_steps(config, len(records), world=world)
         stream = PromptStream(config, records, rank, world)
-        return RunData(records, stream, total, bad_data, left_out)
+        return RunData(records, stream, total, bad_data, left_out, groups=scan.groups)
+    cached = config.cache.on_disk and not pixels_only
     image_ids, encodings = None, None
-    if config.cache.on_disk:
+    if cached:
         records, image_ids = identify_images(config, records, rank, world)
-    bucket_of, unreadable = bucket_placement(config, records, run_dir if group.is_main else None)
+    bucket_of, unreadable = bucket_placement(config, records, run_dir if main else None, main)
     unplaced = {item.name for item in unreadable}
     usable = [record for record in records if str(record.image_path) not in unplaced]
     skipped = scan.skipped + unreadable
-    left_out = report_left_out(config, bad_data, skipped, usable, group.is_main)
+    left_out = report_left_out(config, bad_data, skipped, usable, main)
     total = count_total_steps(config, len(records), bucket_of, world)
-    if config.cache.on_disk:
+    if cached:
         encodings, report = fill_cache(
             config, backbone, records, image_ids, bucket_of, autocast, precision, rank, world
         )
-        print(f"impasto: {report.format()}")
+        if main:
+            print(f"impasto: {report.format()}")
     weights = record_loss_weights(config, records)
     known_bad = {item.name for item in left_out}  # (not the report: it may run ahead of a
     # resumed checkpoint; the trainer's counters dedup across epochs, ranks and resumes)
-    stream = DataStream(config, records, bucket_of, weights, encodings, rank, world, known_bad)
-    return RunData(records, stream, total, bad_data, left_out)
+    variants = None
+    if pixels_only and config.cache.text_embeddings == "disk":
+        variants = config.cache.caption_variants  # the captions the text cache holds
+    stream = DataStream(
+        config, records, bucket_of, weights, encodings, rank, world, known_bad, variants
+    )
+    return RunData(records, stream, total, bad_data, left_out, bucket_of, scan.groups)
 
 
 def report_left_out(
@@ -358,7 +385,7 @@ def cache_data(config: Any) -> CacheReport:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         precision = resolve_precision(config.train.mixed_precision, device)
         records, image_ids = identify_images(config, load_records(config, rank == 0), rank, world)
-        bucket_of = place_in_buckets(config, records, None)
+        bucket_of = place_in_buckets(config, records, None, rank == 0)
         from impasto.checkpoint.trained import build_starting_backbone
 
         backbone = build_starting_backbone(config).to(device)

@@ -60,8 +60,9 @@ SOURCE_READERS = {
 
 def scan_sources(config: Any, main: bool = True) -> Scan:
     """Every source's records, each repeated ``repeats`` times with its ``loss_weight``, then
-    (``data.missing_captions: skip``) the images without a caption left out; and every item
-    left out, once per name. The fraction is not checked here (:func:`check_bad_fraction`).
+    (``data.missing_captions: skip``) the images without a caption left out; every item left
+    out, once per name; and each image's group (:func:`group_of`). The fraction is not checked
+    here (:func:`check_bad_fraction`).
 
     ``main``: this process writes the demo dataset when it is missing (the other ranks of a
     run wait for it).
@@ -74,7 +75,9 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
         print(f"impasto: wrote {count} demo images to {data.path}")
     barrier()
     if data.prompts is not None:
-        return Scan(read_prompts(data.prompts))
+        prompts = read_prompts(data.prompts)
+        name = Path(data.prompts).name
+        return Scan(prompts, groups={str(record.image_path): name for record in prompts})
     scan, unreadable = Scan(), []
     for source in data.source_list():
         try:
@@ -90,6 +93,7 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
             ]
         scan.records.extend(record for record in records for _ in range(source.repeats))
         scan.skipped.extend(found.skipped)
+        scan.groups.update((str(record.image_path), group_of(source, record)) for record in records)
     if not scan.records and unreadable:  # nothing readable remains
         more = (
             f" (and {len(unreadable) - 1} more unreadable sources)" if len(unreadable) > 1 else ""
@@ -97,7 +101,22 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
         raise ValueError(f"{unreadable[0]}{more}")
     if data.missing_captions == "skip":
         scan = leave_out_uncaptioned(scan)
-    return Scan(scan.records, distinct(scan.skipped))
+    return Scan(scan.records, distinct(scan.skipped), scan.groups)
+
+
+def source_name(source: Any) -> str:
+    """How the summary and ``dataset.json`` name a source: its folder's or file's name."""
+    return Path(str(source.path)).name or str(source.path)
+
+
+def group_of(source: Any, record: ImageRecord) -> str:
+    """The group ``record`` counts in: for a folder, the top-level subfolder it lies in
+    (``3_cat``, as kohya names a dataset directory), else the source's name."""
+    if source.source == "folder":
+        parts = Path(record.image_path).relative_to(Path(source.path)).parts
+        if len(parts) > 1:
+            return parts[0]
+    return source_name(source)
 
 
 def leave_out_uncaptioned(scan: Scan) -> Scan:
@@ -108,7 +127,7 @@ def leave_out_uncaptioned(scan: Scan) -> Scan:
         return scan
     print(f"impasto: left out {len(missing)} images without a caption: {_named(missing)}")
     kept = [record for record in scan.records if record.caption]
-    left_out = Scan(kept, list(scan.skipped))
+    left_out = Scan(kept, list(scan.skipped), scan.groups)
     for name in missing:
         left_out.skip(name, NO_CAPTION)
     return left_out

@@ -79,10 +79,11 @@ class BadDataLog:
     """The items a run left out, one ``name<TAB>reason`` line each (``RUN/bad-data.tsv``),
     appended as they are met, each name once, kept across resumes."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | None) -> None:
+        """``path`` None: a log kept in memory only (``impasto data preview`` writes no file)."""
         self.path = path
         self.names: set[str] = set()
-        if path.exists():
+        if path is not None and path.exists():
             lines = path.read_text(encoding="utf-8").splitlines()
             self.names = {line.split("\t")[0] for line in lines}
 
@@ -91,7 +92,7 @@ class BadDataLog:
         The counts are the trainer's (``TrainState.count_bad``): the report may run ahead of
         a resumed checkpoint."""
         new = distinct([item for item in skipped if item.name not in self.names])
-        if new and write:
+        if new and write and self.path is not None:
             with self.path.open("a", encoding="utf-8") as handle:
                 for item in new:
                     reason = " ".join(item.reason.split())  # one line, no tab

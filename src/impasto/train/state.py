@@ -6,7 +6,7 @@ import dataclasses
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,16 +237,22 @@ def check_resumable(path: Path, config: Config) -> None:
 
 
 def save_run(
-    run_dir: Path, config: Config, step: int, states: dict[str, Stateful], header: dict[str, str]
+    run_dir: Path,
+    config: Config,
+    step: int,
+    states: dict[str, Stateful],
+    header: dict[str, str],
+    texts: Mapping[str, str] | None = None,
 ) -> Path:
-    """Checkpoint ``states`` as step ``step``. Every weights file's header says what model it
-    belongs to: ``header`` (the backbone's) and how the run trained it (the objective)."""
+    """Checkpoint ``states`` as step ``step``, with ``config.yaml`` and ``texts`` (file name →
+    text, e.g. ``dataset.json``). Every weights file's header says what model it belongs to:
+    ``header`` (the backbone's) and how the run trained it (the objective)."""
     metadata = header | model_metadata(config)
     return save_states(
         run_dir / CHECKPOINTS,
         step,
         states,
         config.checkpoint.keep_last,
-        texts={"config.yaml": config_text(config)},
+        texts={"config.yaml": config_text(config), **(texts or {})},
         metadata={name: metadata for name in states},
     )

@@ -15,19 +15,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from impasto.checkpoint.sharded import ShardedCheckpointer, is_sharded, load_sharded
 from impasto.checkpoint.stateful import Stateful, load_states
 from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_hash
 from impasto.data import derive_seed
+from impasto.data.census import DATASET_FILE
 from impasto.data.dataset import Skipped
 from impasto.data.pipeline import prepare_run_data
 from impasto.data.records import bad_fraction_text
 from impasto.distributed import RunGroup, run_group
 from impasto.faults import fault_point
 from impasto.logging import MetricsLogger
+from impasto.logging.progress import RunProgress
 from impasto.precision import resolve_device, resolve_precision
 from impasto.train.methods import DataNeeds, Rows
 from impasto.train.nonfinite import NonFiniteGuard
@@ -49,7 +50,8 @@ from impasto.train.state import (
     run_info,
     save_run,
 )
-from impasto.train.validation import ValidationGrid, write_validation_grid
+from impasto.train.summary import dataset_facts, report, run_clock, summary_lines
+from impasto.train.validation import ValidationGrid, validation_prompts, write_validation_grid
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class Trainer:
             "the config", config_hash(config),
             "start every rank with the same config file and overrides",
         )  # fmt: skip
-        precision = resolve_precision(config.train.mixed_precision, group.device)
+        self.precision = precision = resolve_precision(config.train.mixed_precision, group.device)
         self.rng = RNGStreams(config.train.seed)
         self.setup = setup = build_step_setup(config, group.device, precision, group)
         images = setup.method.needs is DataNeeds.IMAGES_AND_CAPTIONS
@@ -112,6 +114,9 @@ class Trainer:
             "the data", (len(self.data.records), self.data.total_steps),
             "every node must read the same dataset (a shared filesystem or identical copies)",
         )  # fmt: skip
+        self.facts = dataset_facts(config, self.data, group.world)  # for dataset.json
+        # Read once: a prompt file edited mid-run changes neither the grids nor the ranks' lockstep.
+        self.prompts = validation_prompts(config.sample) if config.sample.every_steps else []
         self.state = TrainState()
         self.unsynced = UnsyncedCounts()
         self.lr = LRSchedule(setup.optimizer, config.optim, self.data.total_steps)
@@ -179,34 +184,41 @@ class Trainer:
             self.close()
 
     def train_steps(self) -> TrainResult:
-        config, state, total = self.config, self.state, self.data.total_steps
-        stop = self.stop
-        main = self.group.is_main
+        config, state, total, log = self.config, self.state, self.data.total_steps, self.config.log
+        stop, group, main = self.stop, self.group, self.group.is_main
         metrics = None
         if main:
-            metrics = MetricsLogger(
-                self.run_dir, config.log.jsonl, config.log.tensorboard, state.step
-            )
-        progress = tqdm(total=total, initial=state.step, unit="step", dynamic_ncols=True,
-                        disable=not (config.log.progress_bar and main))  # fmt: skip
+            summary = summary_lines(
+                config, self.data, self.setup.trainable, group.device, self.precision,
+                group.world, state.step,
+            )  # fmt: skip
+            print("\n".join(summary))
+            metrics = MetricsLogger(self.run_dir, log.jsonl, log.tensorboard, state.step)
+        progress = RunProgress(
+            run_clock(config, total), state.step, main, log.progress_bar, log.every_steps
+        )
         interrupted = False
         if state.step == 0 and self.should_sample() and self.measures_validation():
-            self.validate(metrics, progress)  # the baseline of what the method measures
+            with progress.timing("validation"):
+                self.validate(metrics, progress)  # the baseline of what the method measures
         stop.defer()  # from the first step on, a signal saves after the step
         while state.step < total and not interrupted:
+            progress.start_step(state.step)
             values = self.step()
-            progress.update(1)
             if values is not None and metrics is not None:
                 metrics.log(state.step, values)
-                progress.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
+                progress.log(values)
             if self.should_sample():
-                self.validate(metrics, progress)
+                with progress.timing("validation"):
+                    self.validate(metrics, progress)
             # The ranks stop together: a signal seen by any of them stops all at this step.
             (interrupted,) = self.group.any(stop.requested)
             if self.sharded is not None:
                 self.last_checkpoint = self.sharded.poll() or self.last_checkpoint
             if self.should_save() or interrupted:
-                self.save()
+                with progress.timing("save"):
+                    self.save()
+            progress.advance(state.step)
         if self.sharded is not None:
             self.last_checkpoint = self.sharded.wait() or self.last_checkpoint
         self.sync_counts()
@@ -225,17 +237,20 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint the run: sharded through DCP in a parallel run (maybe in the background),
         else the one-process files. Every weights file (or the sharded checkpoint's state)
-        records what model it is: the backbone's header and how the run trained it."""
+        records what model it is: the backbone's header and how the run trained it; beside
+        them, ``dataset.json`` (images, epochs, tag frequency: kohya's LoRA metadata)."""
         self.guard.settle()
         self.sync_counts()
         config, step = self.config, self.state.step
+        dataset = {DATASET_FILE: self.facts.json(self.data.stream.epoch)}
         if self.sharded is None:
             header = self.setup.backbone.checkpoint_metadata()
-            self.last_checkpoint = save_run(self.run_dir, config, step, self.states(), header)
+            states = self.states()
+            self.last_checkpoint = save_run(self.run_dir, config, step, states, header, dataset)
             return
         header = self.setup.backbone.checkpoint_metadata() | model_metadata(config)
         saved = self.sharded.save(
-            step, self.states(sharded=True), {"config.yaml": config_text(config)},
+            step, self.states(sharded=True), {"config.yaml": config_text(config)} | dataset,
             {name: header for name in self.setup.trainable} | {"ema": header},
         )  # fmt: skip
         self.last_checkpoint = saved or self.last_checkpoint
@@ -340,14 +355,15 @@ class Trainer:
                 "fix the broken files"
             )
 
-    def validate(self, metrics: MetricsLogger | None, progress: tqdm) -> None:
+    def validate(self, metrics: MetricsLogger | None, progress: RunProgress) -> None:
         """Render the validation grid (every rank: FSDP gathers weights) and log it with what
         the method measures on it (rank 0)."""
         step = self.state.step
         with self.sampling_weights():
             validation = write_validation_grid(
-                self.config, self.setup.backbone, self.run_dir, step, self.group.is_main
-            )
+                self.config, self.setup.backbone, self.run_dir, step, self.group.is_main,
+                self.prompts,
+            )  # fmt: skip
         if metrics is None:
             return
         metrics.log_image("samples", validation.grid, step)
@@ -397,12 +413,3 @@ class UnsyncedCounts:
         self.attempted += attempted
         self.bad += bad
         self.skipped.extend(skipped)
-
-
-def report(state: TrainState, elapsed: float, interrupted: bool, checkpoint: Path | None) -> None:
-    how = "stopped on request" if interrupted else "finished"
-    print(f"impasto: {how} at step {state.step} in {elapsed:.1f} s; checkpoint: {checkpoint}")
-    if state.images_bad:
-        print(f"impasto: skipped {state.images_bad} unusable images")
-    if state.steps_skipped:
-        print(f"impasto: skipped {state.steps_skipped} non-finite steps")
