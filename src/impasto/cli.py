@@ -143,6 +143,27 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_runs_list(args: argparse.Namespace) -> int:
+    from impasto.runs import list_runs
+
+    print("\n".join(list_runs(args.dir)))
+    return 0
+
+
+def cmd_runs_summary(args: argparse.Namespace) -> int:
+    from impasto.runs import summarize_run
+
+    print("\n".join(summarize_run(args.run_dir).lines()))
+    return 0
+
+
+def cmd_runs_plot(args: argparse.Namespace) -> int:
+    from impasto.runs import plot_runs
+
+    print(f"impasto: wrote {plot_runs(args.run_dirs, args.out)}")
+    return 0
+
+
 def cmd_inspect_objective(args: argparse.Namespace) -> int:
     import json
 
@@ -315,6 +336,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--lora-scale", type=float, default=1.0, help="its strength (default 1)")
     export.add_argument("--ema", action="store_true", help="export the EMA weights (ema.enabled)")
     export.set_defaults(func=cmd_export)
+
+    runs = sub.add_parser("runs", help="read runs back: list, summary, plot").add_subparsers(
+        dest="runs_command", required=True
+    )
+    listing = runs.add_parser("list", help="the runs under a folder, with status and step")
+    listing.add_argument("dir", nargs="?", default="runs", help="default: runs")
+    listing.set_defaults(func=cmd_runs_list)
+    summary = runs.add_parser("summary", help="what a run did: steps, images, time, losses")
+    summary.add_argument("run_dir")
+    summary.set_defaults(func=cmd_runs_summary)
+    plot = runs.add_parser("plot", help="loss, validation loss and lr of runs on shared axes")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--out", required=True, help="the PNG to write")
+    plot.set_defaults(func=cmd_runs_plot)
 
     sub.add_parser("doctor", help="report the environment").set_defaults(func=cmd_doctor)
     cache = sub.add_parser(
