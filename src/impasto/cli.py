@@ -121,7 +121,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from impasto.export import ExportOptions, export_checkpoint
 
     _quiet_progress_bars()
-    options = ExportOptions(args.dtype, args.merge, args.merge_lora, args.lora_scale, args.ema)
+    options = ExportOptions(
+        args.dtype, args.merge, args.merge_lora, args.lora_scale, args.ema, verbose=args.verbose
+    )
     print(export_checkpoint(args.checkpoint, args.format, args.out, options))
     return 0
 
@@ -335,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--lora-scale", type=float, default=1.0, help="its strength (default 1)")
     export.add_argument("--ema", action="store_true", help="export the EMA weights (ema.enabled)")
+    export.add_argument(
+        "--verbose", action="store_true", help="print the export's time and peak memory"
+    )
     export.set_defaults(func=cmd_export)
 
     runs = sub.add_parser("runs", help="read runs back: list, summary, plot").add_subparsers(

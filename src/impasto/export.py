@@ -5,33 +5,52 @@
 - ``single-file``: one ``.safetensors`` in the original SGM layout (A1111, ComfyUI, Forge),
   with ComfyUI's ``v_pred`` / ``ztsnr`` marker keys and SAI model-spec metadata.
 - ``lora-diffusers``: the adapters of a LoRA/DoRA run as ``pytorch_lora_weights.safetensors``,
-  what ``pipe.load_lora_weights`` reads.
+  names that ``pipe.load_lora_weights`` and ComfyUI's LoRA loader both read (:mod:`export_lora`).
 - ``lora-kohya``: the adapters of a LoRA run in kohya's layout (``lora_unet_…``, SGM names),
   one ``.safetensors`` that ComfyUI, A1111 and Forge load.
 
 A LoRA run exports to the full-model formats only with ``merge=True`` (the adapters baked into
-the base weights).
+the base weights). LoRA files carry kohya's ``ss_*`` training metadata (:mod:`export_metadata`).
+
+Memory (issue #17): the LoRA formats read the adapter tensors from the checkpoint and never build
+the model. The full-model formats rebuild it one network at a time where the base model is a
+file (:mod:`export_lowmem`), else whole in fp32; each network is cast to the export dtype in
+place, parameter by parameter, and files are written one tensor at a time: no second copy of
+the model is ever held. ``verbose`` reports the time and the process's peak memory.
 """
 
 from __future__ import annotations
 
-import datetime
+import resource
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import peft
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusionXLPipeline
-from diffusers.utils import convert_state_dict_to_diffusers
+from diffusers import FlowMatchEulerDiscreteScheduler
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from impasto.checkpoint.trained import load_trained, model_metadata
+from impasto.checkpoint.trained import (
+    load_trained,
+    model_metadata,
+    read_checkpoint_config,
+    resolve_checkpoint,
+)
 from impasto.config import Config
+from impasto.export_lora import (
+    adapter_parts,
+    read_adapters,
+    write_lora_diffusers,
+    write_lora_kohya,
+)
+from impasto.export_lowmem import load_by_network, loads_by_network
+from impasto.export_metadata import modelspec_metadata
 from impasto.models import SDXLComponents
 from impasto.models.io import save_diffusers, sdxl_scheduler
-from impasto.models.lora_kohya import merge_kohya, to_kohya
-from impasto.models.parts import ADAPTER_NAME, merge_adapters
+from impasto.models.lora_kohya import merge_kohya
+from impasto.models.parts import merge_adapters
 from impasto.models.sdxl import PART_NAMES as PARTS
 from impasto.models.single_file import save_single_file
 from impasto.permissions import apply_umask
@@ -46,9 +65,7 @@ class ExportOptions:
     merge_lora: str | None = None  # a kohya LoRA file to add to the full model
     lora_scale: float = 1.0  # its strength
     ema: bool = False  # export the EMA weights (ema.safetensors) instead of the live ones
-
-
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+    verbose: bool = False  # print the export's time and peak memory
 
 
 def scheduler_for(config: Config):
@@ -73,24 +90,34 @@ def scheduler_for(config: Config):
     return type(scheduler).from_config(scheduler.config, **changes)
 
 
-def adapter_parts(config: Config) -> list[str]:
-    return [name for name in PARTS if getattr(config.parts, name) == "lora"]
-
-
-def sdxl_trained(checkpoint: str | Path, ema: bool = False) -> tuple[Config, SDXLComponents]:
-    """The run's config and SDXL components: every export format here is SDXL's (another
-    family brings its own exporter)."""
-    config, backbone = load_trained(checkpoint, ema=ema)
-    if backbone.family != "sdxl":
+def _sdxl_config(config: Config) -> Config:
+    if config.model.family != "sdxl":
         raise ValueError(
             f"export: the formats here are SDXL's; this run trained model.family "
-            f"{backbone.family!r}"
+            f"{config.model.family!r}"
         )
-    return config, backbone.components
+    return config
 
 
-def _full_model(config: Config, models: SDXLComponents, options: ExportOptions, fmt: str) -> None:
-    """Make ``models`` a plain SDXL model: merge the run's adapters, then ``merge_lora``."""
+def _merge_lora(models: SDXLComponents, options: ExportOptions) -> None:
+    try:
+        tensors = load_file(options.merge_lora)
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"export: cannot read {options.merge_lora} ({error})") from None
+    merge_kohya(models, tensors, options.lora_scale)
+
+
+def full_model(
+    checkpoint: str | Path, options: ExportOptions, fmt: str
+) -> tuple[Config, SDXLComponents]:
+    """The run's config and its model as a plain SDXL in the export dtype: the run's adapters
+    merged (a LoRA run needs ``options.merge``), then ``merge_lora`` added.
+
+    One network at a time where the base model allows (:mod:`export_lowmem`), else the whole
+    model in fp32, cast in place network by network, parameter by parameter.
+    """
+    path = resolve_checkpoint(checkpoint)
+    config = _sdxl_config(read_checkpoint_config(path))
     adapters = adapter_parts(config)
     if adapters and not options.merge:
         raise ValueError(
@@ -98,73 +125,24 @@ def _full_model(config: Config, models: SDXLComponents, options: ExportOptions, 
             "export them with --format lora-kohya or lora-diffusers, or add --merge to bake "
             f"them into a {fmt}"
         )
+    dtype = DTYPES[options.dtype]
+    if loads_by_network(path, config, options.ema, bool(options.merge_lora)):
+        return config, load_by_network(path, config, dtype)
+    config, backbone = load_trained(path, ema=options.ema)
+    models = backbone.components
     for name in adapters:
         merge_adapters(getattr(models, name))
     if options.merge_lora:
-        try:
-            tensors = load_file(options.merge_lora)
-        except (OSError, SafetensorError) as error:
-            raise ValueError(f"export: cannot read {options.merge_lora} ({error})") from None
-        merge_kohya(models, tensors, options.lora_scale)
+        _merge_lora(models, options)
+    for name in (*PARTS, "vae"):
+        getattr(models, name).to(dtype)
+    return config, models
 
 
 def export_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
-    config, models = sdxl_trained(checkpoint, ema=options.ema)
-    _full_model(config, models, options, "diffusers folder")
-    for name in (*PARTS, "vae"):
-        getattr(models, name).to(DTYPES[options.dtype])
+    config, models = full_model(checkpoint, options, "diffusers folder")
     save_diffusers(models, out, scheduler=scheduler_for(config))
     return Path(out)
-
-
-def _adapter_states(
-    checkpoint: str | Path, kinds: tuple[str, ...], fmt: str, ema: bool = False
-) -> tuple[Config, SDXLComponents, dict[str, dict]]:
-    """The run's config, models and peft adapter weights per adapted part (EMA ones with
-    ``ema``)."""
-    config, models = sdxl_trained(checkpoint, ema=ema)
-    adapters = adapter_parts(config)
-    if not adapters:
-        raise ValueError("export: this run trained no adapters (parts.* = lora); nothing to export")
-    if config.lora.kind not in kinds:
-        raise ValueError(
-            f"export: the {fmt} format holds {'/'.join(kinds)} only, not {config.lora.kind}"
-        )
-    states = {
-        name: peft.get_peft_model_state_dict(getattr(models, name), adapter_name=ADAPTER_NAME)
-        for name in adapters
-    }
-    return config, models, states
-
-
-def export_lora_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
-    config, models, states = _adapter_states(
-        checkpoint, ("lora", "dora"), "diffusers LoRA", options.ema
-    )
-    layers = {}
-    for name, state in states.items():
-        state = convert_state_dict_to_diffusers(state)
-        layers[f"{name}_lora_layers"] = {k: v.to(DTYPES[options.dtype]) for k, v in state.items()}
-    StableDiffusionXLPipeline.save_lora_weights(out, weight_name=LORA_WEIGHTS_NAME, **layers)
-    return Path(out) / LORA_WEIGHTS_NAME
-
-
-def modelspec_metadata(config: Config, title: str, lora: bool) -> dict[str, str]:
-    """SAI model-spec 1.0 header fields (github.com/Stability-AI/ModelSpec), as kohya writes."""
-    objective = config.objective
-    prediction = {"epsilon": "epsilon", "v_prediction": "v"}.get(
-        objective.prediction_type, objective.prediction_type
-    )
-    size = config.data.resolution
-    return {
-        "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": "stable-diffusion-xl-v1-base" + ("/lora" if lora else ""),
-        "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
-        "modelspec.title": title,
-        "modelspec.resolution": f"{size}x{size}",
-        "modelspec.prediction_type": prediction,
-        "modelspec.date": datetime.date.today().isoformat(),
-    }
 
 
 def sampling_marker_keys(config: Config) -> dict[str, torch.Tensor]:
@@ -184,8 +162,7 @@ def _title(checkpoint: str | Path) -> str:
 
 
 def export_single_file(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
-    config, models = sdxl_trained(checkpoint, ema=options.ema)
-    _full_model(config, models, options, "single file")
+    config, models = full_model(checkpoint, options, "single file")
     metadata = modelspec_metadata(config, _title(checkpoint), lora=False) | model_metadata(config)
     save_single_file(
         models,
@@ -197,21 +174,14 @@ def export_single_file(checkpoint: str | Path, out: str | Path, options: ExportO
     return Path(out)
 
 
+def export_lora_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
+    adapters = read_adapters(checkpoint, ("lora", "dora"), "diffusers LoRA", options.ema)
+    return write_lora_diffusers(adapters, out, DTYPES[options.dtype], _title(checkpoint))
+
+
 def export_lora_kohya(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
-    config, models, states = _adapter_states(checkpoint, ("lora",), "kohya LoRA", options.ema)
-    alpha = config.lora.rank if config.lora.alpha is None else config.lora.alpha
-    tensors = {}
-    for name, state in states.items():
-        tensors |= to_kohya(name, getattr(models, name), state, alpha)
-    tensors = {key: value.to(DTYPES[options.dtype]).contiguous() for key, value in tensors.items()}
-    metadata = modelspec_metadata(config, _title(checkpoint), lora=True) | model_metadata(config)
-    metadata |= {"ss_network_dim": str(config.lora.rank), "ss_network_alpha": repr(alpha)}
-    out = Path(out)
-    if out.suffix != ".safetensors":
-        raise ValueError(f"export: {out}: a kohya LoRA is one file; give a .safetensors name")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out, metadata=metadata)
-    return out
+    adapters = read_adapters(checkpoint, ("lora",), "kohya LoRA", options.ema)
+    return write_lora_kohya(adapters, out, DTYPES[options.dtype], _title(checkpoint))
 
 
 # name → exporter(checkpoint, out, options); the LoRA formats ignore the merge options.
@@ -237,4 +207,20 @@ def export_checkpoint(
         raise ValueError(
             "export: --merge-lora adds a LoRA to a full model (diffusers, single-file)"
         )
-    return apply_umask(EXPORTERS[fmt](checkpoint, out, options))
+    started = time.perf_counter()
+    path = apply_umask(EXPORTERS[fmt](checkpoint, out, options))
+    if options.verbose:
+        print(export_report(time.perf_counter() - started), file=sys.stderr)
+    return path
+
+
+def peak_memory_gb() -> float:
+    """The process's peak resident memory so far (``ru_maxrss``, KiB on Linux), in GiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 30 if sys.platform == "darwin" else 1 << 20)  # macOS counts bytes
+
+
+def export_report(seconds: float) -> str:
+    """One line: how long an export took and the process's peak memory (which includes
+    whatever the process did before the export; the CLI runs the export alone)."""
+    return f"export: {seconds:.1f} s, peak memory {peak_memory_gb():.2f} GiB (max RSS)"

@@ -2,11 +2,16 @@
 
 A checkpoint stores the trained weights and the resolved config; the frozen components are
 rebuilt from ``model.*`` of that config (the preset, or the diffusers folder it was trained from).
+
+Memory: a fully trained part's weights are copied from its file one tensor at a time into the
+rebuilt module (a full SDXL UNet is 10 GB in fp32: reading the file whole would hold it twice);
+adapter weights are small and read whole.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -18,6 +23,10 @@ from impasto.checkpoint.state import STATE_FILE, latest_checkpoint
 from impasto.config import Config, build_config
 from impasto.config.load import read_yaml
 from impasto.models.backbone import Backbone, build_backbone
+from impasto.models.single_file.stream import TensorFile
+
+if TYPE_CHECKING:
+    from impasto.models.parts import Part
 
 
 def model_metadata(config: Config) -> dict[str, str]:
@@ -120,19 +129,65 @@ def load_trained(path: str | Path, ema: bool = False) -> tuple[Config, Backbone]
     from impasto.models.parts import load_part_weights, prepare_parts
 
     checkpoint = resolve_checkpoint(path)
-    config_file = checkpoint / "config.yaml"
-    if not config_file.is_file():
-        raise ValueError(f"checkpoint {checkpoint}: no config.yaml; it was not written by impasto")
-    config = build_config(read_yaml(config_file))  # strict: duplicate keys, aliases, UTF-8
+    config = read_checkpoint_config(checkpoint)
     backbone = build_starting_backbone(config)
     parts = prepare_parts(config, backbone)
-    tensors = read_weights(checkpoint, set(parts))
-    load_part_weights(parts, tensors, f"checkpoint {checkpoint}")
+    # Fully trained parts are copied from their files tensor by tensor; adapters are read whole.
+    full = {name for name, part in parts.items() if not part.is_adapter}
+    streamed = set() if is_sharded(checkpoint) else full
+    tensors = read_weights(checkpoint, set(parts) - streamed)
+    where = f"checkpoint {checkpoint}"
+    load_part_weights({n: p for n, p in parts.items() if n not in streamed}, tensors, where)
+    for name in sorted(streamed):
+        copy_from_file(parts[name], checkpoint / f"{name}.safetensors", where)
     if ema:
         load_ema_weights(parts, checkpoint)
     for module in backbone.modules().values():
         module.requires_grad_(False).eval()
     return config, backbone
+
+
+def read_checkpoint_config(checkpoint: Path) -> Config:
+    """The resolved config a checkpoint directory holds (``config.yaml``)."""
+    config_file = checkpoint / "config.yaml"
+    if not config_file.is_file():
+        raise ValueError(f"checkpoint {checkpoint}: no config.yaml; it was not written by impasto")
+    return build_config(read_yaml(config_file))  # strict: duplicate keys, aliases, UTF-8
+
+
+def _copy_tensors(
+    targets: dict[str, torch.Tensor], weights: Path, where: str, mismatch: str
+) -> None:
+    """Copy each tensor of the safetensors file ``weights`` into ``targets`` (same names), one
+    at a time, with plain reads (a memory map would keep the whole file resident); ``mismatch``
+    formats the error for a name or shape that does not fit (``{bad}``: the name)."""
+    try:
+        handle = TensorFile(weights)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{where}: cannot read {weights.name} ({error})") from None
+    with handle:
+        names = set(handle.keys())
+        if names != targets.keys():
+            bad = sorted(targets.keys() - names) or sorted(names - targets.keys())
+            raise ValueError(f"{where}: " + mismatch.format(bad=repr(bad[0])))
+        for name, target in targets.items():
+            if handle.shapes[name] != tuple(target.shape):
+                raise ValueError(f"{where}: " + mismatch.format(bad=repr(name)))
+            try:
+                handle.read_into(name, target)
+            except (OSError, ValueError) as error:
+                raise ValueError(f"{where}: cannot read {weights.name} ({error})") from None
+
+
+def copy_from_file(part: Part, weights: Path, where: str) -> None:
+    """Load a fully trained part's weights from its ``NAME.safetensors``, tensor by tensor."""
+    if not weights.is_file():
+        raise ValueError(f"{where}: no {part.name}.safetensors; it was not written by this run")
+    mismatch = (
+        f"{part.name} weights do not match the model ({{bad}}); was model.*, parts.* or "
+        "lora.* changed? restore it or use --no-resume"
+    )
+    _copy_tensors(part.module.state_dict(keep_vars=True), weights, where, mismatch)
 
 
 def read_weights(checkpoint: Path, names: set[str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -156,18 +211,25 @@ def read_weights(checkpoint: Path, names: set[str]) -> dict[str, dict[str, torch
 
 def load_ema_weights(parts: dict, checkpoint: Path) -> None:
     """Copy ``ema.safetensors`` (keys ``part.parameter``, as the trainer's EMA names them) into
-    the trained parameters; one-line error when it is missing or does not fit."""
-    shadows = read_weights(checkpoint, {"ema"}).get("ema")
-    if shadows is None:
-        raise ValueError(
-            f"checkpoint {checkpoint}: no ema.safetensors; the run trained without ema.enabled"
-        )
+    the trained parameters (tensor by tensor); one-line error when it is missing or does not
+    fit."""
     trained = {
         f"{name}.{param_name}": param
         for name, part in parts.items()
         for param_name, param in part.module.named_parameters()
         if param.requires_grad
     }
+    missing = f"checkpoint {checkpoint}: no ema.safetensors; the run trained without ema.enabled"
+    if not is_sharded(checkpoint):
+        weights = checkpoint / "ema.safetensors"
+        if not weights.is_file():
+            raise ValueError(missing)
+        mismatch = "ema.safetensors does not fit the model ({bad})"
+        _copy_tensors(trained, weights, f"checkpoint {checkpoint}", mismatch)
+        return
+    shadows = read_weights(checkpoint, {"ema"}).get("ema")
+    if shadows is None:
+        raise ValueError(missing)
     if shadows.keys() != trained.keys():
         odd = sorted(shadows.keys() ^ trained.keys())[0]
         raise ValueError(

@@ -47,7 +47,7 @@ COMPONENT_WEIGHTS = {
     "text_encoder_2": TRANSFORMERS_WEIGHTS,
 }
 # transformers renamed `torch_dtype` to `dtype` in 4.56 and warns on the old name from 5.0.
-_TRANSFORMERS_DTYPE_KWARG = (
+TRANSFORMERS_DTYPE_KWARG = (
     "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 )
 
@@ -140,7 +140,7 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
-def _load_component(model_class: Any, root: Path, subfolder: str, **kwargs: Any) -> Any:
+def load_component(model_class: Any, root: Path, subfolder: str, **kwargs: Any) -> Any:
     """``model_class.from_pretrained`` on a checked local subfolder; errors become one line."""
     try:
         return model_class.from_pretrained(
@@ -154,7 +154,7 @@ def _load_component(model_class: Any, root: Path, subfolder: str, **kwargs: Any)
         ) from err
 
 
-def _load_tokenizer(root: Path, subfolder: str, fallback_pad_token: str) -> CLIPTokenizer:
+def load_tokenizer(root: Path, subfolder: str, fallback_pad_token: str) -> CLIPTokenizer:
     """The folder's tokenizer if it has one, else the bundled CLIP tokenizer with that pad."""
     if not (root / subfolder).is_dir():
         return load_clip_tokenizer(fallback_pad_token)
@@ -185,14 +185,14 @@ def load_diffusers(path: str | Path) -> SDXLComponents:
     for subfolder, weight_names in COMPONENT_WEIGHTS.items():
         _check_component(root, subfolder, weight_names)
     fp32 = {"torch_dtype": torch.float32}
-    fp32_transformers = {_TRANSFORMERS_DTYPE_KWARG: torch.float32}
+    fp32_transformers = {TRANSFORMERS_DTYPE_KWARG: torch.float32}
     return SDXLComponents(
-        unet=_load_component(UNet2DConditionModel, root, "unet", **fp32),
-        vae=_load_component(AutoencoderKL, root, "vae", **fp32),
-        text_encoder=_load_component(CLIPTextModel, root, "text_encoder", **fp32_transformers),
-        text_encoder_2=_load_component(
+        unet=load_component(UNet2DConditionModel, root, "unet", **fp32),
+        vae=load_component(AutoencoderKL, root, "vae", **fp32),
+        text_encoder=load_component(CLIPTextModel, root, "text_encoder", **fp32_transformers),
+        text_encoder_2=load_component(
             CLIPTextModelWithProjection, root, "text_encoder_2", **fp32_transformers
         ),
-        tokenizer=_load_tokenizer(root, "tokenizer", TOKENIZER_PAD_TOKEN),
-        tokenizer_2=_load_tokenizer(root, "tokenizer_2", TOKENIZER_2_PAD_TOKEN),
+        tokenizer=load_tokenizer(root, "tokenizer", TOKENIZER_PAD_TOKEN),
+        tokenizer_2=load_tokenizer(root, "tokenizer_2", TOKENIZER_2_PAD_TOKEN),
     )

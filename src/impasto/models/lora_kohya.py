@@ -6,9 +6,15 @@ underscores: ``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`` for 
 OpenCLIP bigG (kohya names both encoders by their transformers modules). Each entry holds
 ``.lora_down.weight`` (peft's ``lora_A``), ``.lora_up.weight`` (``lora_B``) and a scalar
 ``.alpha``; a tool applies W + up·down·alpha/rank. Convolutions keep their 4-D kernels.
+
+The names need only the UNet's config (its block layout), not its weights: an export renames
+the adapter tensors of a checkpoint without building the model.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -19,19 +25,31 @@ PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2":
 PEFT_TO_KOHYA = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weight"}
 
 
-def kohya_module_name(part: str, module_name: str, module: nn.Module) -> str:
-    """``lora_unet_…`` / ``lora_te1_…`` / ``lora_te2_…`` for a diffusers/transformers name."""
+def kohya_module_name(
+    part: str, module_name: str, unet_config: Mapping[str, Any] | None = None
+) -> str:
+    """``lora_unet_…`` / ``lora_te1_…`` / ``lora_te2_…`` for a diffusers/transformers name;
+    ``unet_config`` (the UNet's ``config``) is needed for UNet names only."""
     if part == "unet":
-        original = unet_module_to_sgm(module_name, module.config)
+        if unet_config is None:
+            raise ValueError("kohya names of UNet layers need the UNet's config")
+        original = unet_module_to_sgm(module_name, unet_config)
     else:
         original = clip_text_model_key(module_name)
     return PREFIXES[part] + original.replace(".", "_")
 
 
+def _config_of(part: str, module: nn.Module) -> Mapping[str, Any] | None:
+    return module.config if part == "unet" else None
+
+
 def to_kohya(
-    part: str, module: nn.Module, peft_state: dict[str, Tensor], alpha: float
+    part: str,
+    peft_state: Mapping[str, Tensor],
+    alpha: float,
+    unet_config: Mapping[str, Any] | None = None,
 ) -> dict[str, Tensor]:
-    """peft LoRA weights of one part (``get_peft_model_state_dict``) → kohya entries."""
+    """peft LoRA weights of one part (``get_peft_model_state_dict`` keys) → kohya entries."""
     kohya = {}
     for key, tensor in peft_state.items():
         module_name, _, suffix = key.partition(".lora_")
@@ -40,7 +58,7 @@ def to_kohya(
             raise ValueError(
                 f"export: {key} is not a plain LoRA weight; the kohya format holds LoRA only"
             )
-        name = kohya_module_name(part, module_name, module)
+        name = kohya_module_name(part, module_name, unet_config)
         kohya[f"{name}.{PEFT_TO_KOHYA[suffix]}"] = tensor
         kohya[f"{name}.alpha"] = torch.tensor(float(alpha))
     return kohya
@@ -58,7 +76,8 @@ def from_kohya(
     for part, module in parts.items():
         for module_name, child in module.named_modules():
             if hasattr(child, "base_layer"):
-                names[kohya_module_name(part, module_name, module)] = (part, module_name)
+                name = kohya_module_name(part, module_name, _config_of(part, module))
+                names[name] = (part, module_name)
     states: dict[str, dict[str, Tensor]] = {part: {} for part in parts}
     inverse = {value: key for key, value in PEFT_TO_KOHYA.items()}
     for key, tensor in kohya.items():
@@ -94,7 +113,7 @@ def merge_kohya(models, kohya: dict[str, Tensor], scale: float = 1.0) -> int:
         module = getattr(models, part)
         for name, child in module.named_modules():
             if isinstance(child, nn.Linear | nn.Conv2d):
-                layers[kohya_module_name(part, name, module)] = child
+                layers[kohya_module_name(part, name, _config_of(part, module))] = child
     names = {key.partition(".")[0] for key in kohya}
     unknown = sorted(names - set(layers))
     if unknown:

@@ -6,6 +6,9 @@
 - :func:`detect_checkpoint`: the model family of a file from its tensor names and shapes.
 - :func:`unet_module_to_sgm`: diffusers UNet module name -> SGM name (kohya LoRA keys).
 - :func:`sgm_state_dict`: the export's key map, usable on meta-device modules.
+- :func:`read_configs`: the architecture of a single file, from its header alone.
+- :func:`write_safetensors`, :class:`TensorFile`: safetensors written (and cast) and read one
+  tensor at a time, without a memory map.
 """
 
 from __future__ import annotations
@@ -22,18 +25,22 @@ from impasto.models.single_file.keymap import (
     sgm_state_dict,
     unet_module_to_sgm,
 )
-from impasto.models.single_file.load import load_single_file
+from impasto.models.single_file.load import load_single_file, read_configs
 from impasto.models.single_file.save import save_single_file
+from impasto.models.single_file.stream import TensorFile, write_safetensors
 
 __all__ = [
+    "TensorFile",
     "ComponentConfigs",
     "build_components",
     "clip_text_model_key",
     "configs_of",
     "detect_checkpoint",
     "load_single_file",
+    "read_configs",
     "save_single_file",
     "sdxl_base_configs",
     "sgm_state_dict",
     "unet_module_to_sgm",
+    "write_safetensors",
 ]

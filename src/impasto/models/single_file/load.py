@@ -22,7 +22,6 @@ from diffusers.loaders.single_file_utils import (
     convert_ldm_vae_checkpoint,
     convert_open_clip_checkpoint,
 )
-from safetensors import safe_open
 from torch import Tensor
 
 from impasto.models.components import SDXLComponents
@@ -41,6 +40,7 @@ from impasto.models.single_file.keymap import (
     VAE_PREFIX,
     sgm_state_dict,
 )
+from impasto.models.single_file.stream import TensorFile
 
 SAFETENSORS_SUFFIX = ".safetensors"
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth")
@@ -73,17 +73,18 @@ class _Checkpoint:
 
 @contextmanager
 def _open_safetensors(path: Path) -> Iterator[_Checkpoint]:
+    # Plain reads, not safe_open's memory map: the pages of a 7 GB file would stay in the
+    # process's resident memory beside the fp32 tensors made from them (issue #17).
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except Exception as err:  # SafetensorError: bad header, truncated data; OSError
+        handle = TensorFile(path)
+    except Exception as err:  # a bad header, a truncated file; OSError
         raise _error(
             path,
             f"not a readable safetensors file ({_first_line(err)}): it is truncated or corrupt; "
             "re-download or re-copy it",
         ) from err
     with handle:
-        shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
-        yield _Checkpoint(shapes, dict(handle.metadata() or {}), handle.get_tensor)
+        yield _Checkpoint(dict(handle.shapes), dict(handle.metadata), handle.read)
 
 
 def _load_pickle(path: Path, allow_pickle: bool) -> _Checkpoint:
@@ -189,8 +190,18 @@ def _configs(path: Path, metadata: Mapping[str, str]) -> ComponentConfigs:
         raise _error(path, f"{err}; re-export the file") from err
 
 
+def read_configs(path: str | Path) -> ComponentConfigs:
+    """The architecture :func:`load_single_file` builds for ``path``, from its header alone: the
+    configs impasto stored in it, else SDXL 1.0 base's (a pickle, or a file from elsewhere)."""
+    path = Path(path)
+    if path.suffix.lower() != SAFETENSORS_SUFFIX:
+        return sdxl_base_configs()
+    with _open_safetensors(path) as checkpoint:
+        return _configs(path, checkpoint.metadata)
+
+
 @contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta() -> Iterator[None]:
     """Build modules with parameters on the meta device and buffers on the CPU.
 
     The loaded tensors are then assigned (``load_state_dict(assign=True)``) rather than copied
@@ -229,38 +240,68 @@ def _assign(path: Path, module: torch.nn.Module, converted: Mapping[str, Tensor]
         raise RuntimeError(f"{type(module).__name__}.{left_on_meta[0]} was not loaded")
 
 
-def _to_float32(tensor: Tensor) -> Tensor:
-    return tensor.float() if tensor.is_floating_point() else tensor
+def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+NETWORK_PREFIXES = {
+    "unet": UNET_PREFIX,
+    "vae": VAE_PREFIX,
+    "text_encoder": CLIP_L_PREFIX,
+    "text_encoder_2": CLIP_G_PREFIX,
+}
+
+
+def _convert(
+    path: Path, components: SDXLComponents, name: str, tensors: Mapping[str, Tensor]
+) -> None:
+    """Rename the SGM tensors of network ``name`` with diffusers' converter and assign them."""
+    module = getattr(components, name)
+    if name == "unet":
+        converted = convert_ldm_unet_checkpoint(tensors, module.config)
+    elif name == "vae":
+        converted = convert_ldm_vae_checkpoint(tensors, module.config)
+    elif name == "text_encoder":
+        converted = convert_ldm_clip_checkpoint(tensors)
+    else:
+        converted = convert_open_clip_checkpoint(module, tensors, prefix=CLIP_G_PREFIX)
+    _assign(path, module, converted)
 
 
 def load_single_file(
-    path: str | Path, *, allow_pickle: bool = False, configs: ComponentConfigs | None = None
+    path: str | Path,
+    *,
+    allow_pickle: bool = False,
+    configs: ComponentConfigs | None = None,
+    networks: tuple[str, ...] = tuple(NETWORK_PREFIXES),
+    dtype: torch.dtype = torch.float32,
 ) -> SDXLComponents:
-    """Load the SDXL base single-file checkpoint ``path`` as float32 diffusers/transformers modules.
+    """Load the SDXL base single-file checkpoint ``path`` as diffusers/transformers modules in
+    ``dtype`` (float32, as training needs; an export may read a network in its own dtype).
 
     ``.safetensors`` is read lazily (header first); ``.ckpt`` / ``.pt`` / ``.pth`` only with
     ``allow_pickle=True``, through ``torch.load(weights_only=True)``. The architecture is
     ``configs`` if given, else the one :func:`save_single_file` stored in the file's metadata,
     else SDXL 1.0 base's. Tokenizers are impasto's bundled CLIP tokenizers. Every problem
     (missing or unreadable file, another model family, a missing component or tensor, a wrong
-    shape) raises a one-line ``ValueError`` naming the file.
+    shape) raises a one-line ``ValueError`` naming the file. ``networks``: read only these
+    (``unet``, ``vae``, ``text_encoder``, ``text_encoder_2``); the others keep their parameters
+    on the meta device, so that an export can load one network at a time.
     """
     path = Path(path)
+    prefixes = tuple(NETWORK_PREFIXES[name] for name in networks)
     with _open_checkpoint(path, allow_pickle) as checkpoint:
         _check_kind(path, checkpoint.shapes)
         configs = configs or _configs(path, checkpoint.metadata)
-        with _parameters_on_meta():
+        with parameters_on_meta():
             components = build_components(configs)
         expected = {key: tuple(t.shape) for key, t in sgm_state_dict(components).items()}
         _check_tensors(path, checkpoint.shapes, expected)
         tensors = {
-            key: _to_float32(checkpoint.get_tensor(key))
+            key: _to_dtype(checkpoint.get_tensor(key), dtype)
             for key in expected
-            if key in checkpoint.shapes and key not in OPTIONAL_KEYS
+            if key.startswith(prefixes) and key in checkpoint.shapes and key not in OPTIONAL_KEYS
         }
-    _assign(path, components.unet, convert_ldm_unet_checkpoint(tensors, components.unet.config))
-    _assign(path, components.vae, convert_ldm_vae_checkpoint(tensors, components.vae.config))
-    _assign(path, components.text_encoder, convert_ldm_clip_checkpoint(tensors))
-    clip_g = convert_open_clip_checkpoint(components.text_encoder_2, tensors, prefix=CLIP_G_PREFIX)
-    _assign(path, components.text_encoder_2, clip_g)
+    for name in networks:
+        _convert(path, components, name, tensors)
     return components
