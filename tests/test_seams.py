@@ -84,7 +84,9 @@ def test_generate_samples_any_backbone(demo_folder):
     images = generate(backbone, ["a red circle", "a blue square"], num_steps=3, seed=2)
     assert images.shape == (2, 3, 64, 64)
     again = generate(backbone, ["a red circle"], num_steps=3, seed=2)
-    assert torch.equal(images[:1], again)  # image i depends on its seed only
+    # Image i depends on its seed only; a batch of 1 or 2 rounds the convolutions
+    # differently on the CPU (2.4e-7 apart with torch 2.14), nothing more.
+    torch.testing.assert_close(images[:1], again, rtol=0, atol=1e-6)
     assert not torch.equal(images[0], images[1])
 
 

@@ -141,9 +141,10 @@ def _first_line(err: BaseException) -> str:
 
 
 def load_component(model_class: Any, root: Path, subfolder: str, **kwargs: Any) -> Any:
-    """``model_class.from_pretrained`` on a checked local subfolder; errors become one line."""
+    """``model_class.from_pretrained`` on a checked local subfolder, its tensors in memory of
+    their own (:func:`own_aligned_storage`); errors become one line."""
     try:
-        return model_class.from_pretrained(
+        module = model_class.from_pretrained(
             str(root), subfolder=subfolder, local_files_only=True, use_safetensors=True, **kwargs
         )
     except Exception as err:  # corrupt or truncated files: safetensors, torch, json errors
@@ -152,6 +153,26 @@ def load_component(model_class: Any, root: Path, subfolder: str, **kwargs: Any) 
             f"model.path {root}: cannot load {weights} ({_first_line(err)}); if the file is "
             "corrupt or truncated, re-save or re-copy it"
         ) from err
+    return own_aligned_storage(module)
+
+
+ALIGNMENT = 64  # bytes: what the CPU kernels' vector loads (and the caching allocator) assume
+
+
+def own_aligned_storage(module: torch.nn.Module) -> torch.nn.Module:
+    """Copy every CPU tensor of ``module`` that lies at an address not a multiple of
+    :data:`ALIGNMENT` into memory of its own, one tensor at a time.
+
+    ``from_pretrained`` may keep a float32 file's tensors as views of the memory-mapped file,
+    at whatever offset the safetensors header left them. The CPU's matrix kernels take another
+    code path for unaligned data and round differently (a diffusers folder then sampled
+    1/255 off the run it was exported from, with one thread); the views also keep the file
+    mapped, so replacing it under a live process would change the weights."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.device.type == "cpu" and tensor.data_ptr() % ALIGNMENT:
+                tensor.data = tensor.data.clone()
+    return module
 
 
 def load_tokenizer(root: Path, subfolder: str, fallback_pad_token: str) -> CLIPTokenizer:
