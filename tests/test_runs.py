@@ -53,7 +53,7 @@ def test_the_summary_numbers_are_the_runs_own(tmp_path: Path):
     assert [p.name for p in summary.checkpoints] == ["step-00000004"]
     text = "\n".join(summary.lines())
     assert "finished, step 4/4" in text and "1:02:05 training" in text and "MFU 35.0%" in text
-    assert "best validation loss 0.75 at step 3" in text
+    assert "best val/loss 0.75 at step 3" in text
 
 
 def test_a_run_stopped_early_and_the_listing(tmp_path: Path):
@@ -97,3 +97,21 @@ def test_the_runs_commands(tmp_path: Path, capsys, monkeypatch):
     assert (tmp_path / "curves.png").is_file()
     assert main(["runs", "summary", "nowhere"]) == 2
     assert "not an impasto run" in capsys.readouterr().err
+
+
+def test_a_named_eval_set_stands_in_and_a_held_lock_is_running(tmp_path: Path):
+    import fcntl
+    import os
+
+    records = [{"step": s, "loss": 1.0 / s, "val/demo/loss": v} for s, v in ((1, 0.9), (2, 0.8))]
+    run = make_run(tmp_path / "a", records, step=2, samples=4, max_steps=4)
+    summary = summarize_run(run)
+    assert (summary.val_key, summary.best_val) == ("val/demo/loss", (0.8, 2))
+    assert plot_series([run])["val/loss"]["a"] == ([1, 2], [0.9, 0.8])
+    fd = os.open(run / ".impasto.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # what a training holds
+        assert summarize_run(run).status == "running"
+    finally:
+        os.close(fd)
+    assert summarize_run(run).status == "stopped"

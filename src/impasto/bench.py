@@ -43,6 +43,7 @@ from impasto.bench_step import (
 from impasto.checkpoint.trained import build_starting_backbone
 from impasto.config import Config
 from impasto.data import Batch
+from impasto.logging.flops import peak_tflops
 from impasto.models import add_time_ids
 from impasto.precision import autocast_factory, resolve_device, resolve_precision
 from impasto.train.checks import check_config
@@ -51,18 +52,6 @@ DEFAULT_RESOLUTION = {"tiny": 64, "demo": 64, "sdxl": 1024}
 
 PARALLEL_STRATEGIES = ("ddp", "fsdp")
 """What ``--parallel`` can ask for (``none``, the default, is the one-process bench)."""
-
-
-def peak_tflops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak in TFLOP/s, for the GPUs we know (None elsewhere)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    if "H100" in name or "H200" in name or "H800" in name:
-        return 756.0 if "PCIe" in name else 989.4  # SXM: 989.4 dense (1979 with sparsity)
-    if "A100" in name:
-        return 312.0
-    return None
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(config_to_yaml(config), end="")
         return 0
     _quiet_progress_bars()
+    from impasto.runs import summarize_run
     from impasto.train import train
 
-    result = train(config, resume=not args.no_resume)
+    result = train(
+        config, resume=not args.no_resume, run_summary=lambda run: summarize_run(run).lines()
+    )
     from impasto.train.signals import EXIT_INTERRUPTED
 
     return EXIT_INTERRUPTED if result.interrupted else 0

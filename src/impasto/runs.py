@@ -8,8 +8,10 @@ checkpoint, so they equal what the run logged.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,7 +99,8 @@ class RunSummary:
     images_per_s: float | None  # mean over the logged steps
     mfu: float | None  # mean over the logged steps that report it
     loss: float | None  # the last logged training loss
-    best_val: tuple[float, int] | None  # (lowest val/loss, its step)
+    best_val: tuple[float, int] | None  # (lowest val_key, its step)
+    val_key: str = "val/loss"  # val/loss, or the first named set's val/NAME/loss
     checkpoints: list[Path] = field(default_factory=list)
     grids: list[Path] = field(default_factory=list)
 
@@ -119,7 +122,7 @@ class RunSummary:
             lines.append(f"  last loss {self.loss:.4g} (step {self.logged_step})")
         if self.best_val is not None:
             value, step = self.best_val
-            lines.append(f"  best validation loss {value:.4g} at step {step}")
+            lines.append(f"  best {self.val_key} {value:.4g} at step {step}")
         if self.checkpoints:
             names = ", ".join(path.name for path in self.checkpoints)
             lines.append(f"  checkpoints: {names}")
@@ -134,9 +137,30 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
 
 
+def is_locked(run_dir: Path) -> bool:
+    """Whether a trainer holds the run's lock now: a shared ``flock`` that fails while the
+    trainer's exclusive one is held (released at once); where ``flock`` is missing, the
+    lock file's holder, if alive."""
+    path = run_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:  # no flock here: the trainer's fallback wrote who holds it
+        holder = read_holder(path)
+        return bool(holder) and not is_stale(holder)
+    finally:
+        os.close(fd)
+
+
 def run_status(run_dir: Path, step: int, total_steps: int | None) -> str:
-    holder = read_holder(run_dir / LOCK_FILE)
-    if holder and not is_stale(holder):
+    if is_locked(run_dir):
         return "running"
     if step == 0:
         return "not started"
@@ -160,7 +184,8 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
     train = _config(run_dir).get("train") or {}
     total = train.get("max_steps") if isinstance(train.get("max_steps"), int) else None
     last = records[-1] if records else {}
-    validation = [(r["val/loss"], r["step"]) for r in records if _finite([r.get("val/loss")])]
+    val_key = validation_key(records)
+    validation = [(r[val_key], r["step"]) for r in records if _finite([r.get(val_key)])]
     throughput = _finite([r.get("samples_per_s") for r in records])
     mfu = _finite([r.get("mfu") for r in records])
     grids = sorted((run_dir / SAMPLES).glob("step-*.png")) if (run_dir / SAMPLES).is_dir() else []
@@ -176,9 +201,20 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
         mfu=sum(mfu) / len(mfu) if mfu else None,
         loss=last.get("loss") if _finite([last.get("loss")]) else None,
         best_val=min(validation) if validation else None,
+        val_key=val_key,
         checkpoints=checkpoints,
         grids=grids,
     )
+
+
+def validation_key(records: list[dict[str, Any]]) -> str:
+    """``val/loss`` (the held-out split), else the first named set's ``val/NAME/loss``."""
+    keys = {key for record in records for key in record}
+    if "val/loss" in keys:
+        return "val/loss"
+    named = sorted(k for k in keys if k.startswith("val/") and k.endswith("/loss"))
+    named = [k for k in named if not k.startswith("val/ema/")]
+    return named[0] if named else "val/loss"
 
 
 def list_runs(root: str | Path) -> list[str]:
@@ -203,7 +239,8 @@ def plot_series(run_dirs: list[Path]) -> dict[str, dict[str, tuple[list[int], li
     for run_dir, label in zip(run_dirs, labels, strict=True):
         records = read_metrics(run_dir)
         for metric in PLOTTED:
-            points = [(r["step"], float(r[metric])) for r in records if _finite([r.get(metric)])]
+            key = validation_key(records) if metric == "val/loss" else metric
+            points = [(r["step"], float(r[key])) for r in records if _finite([r.get(key)])]
             if points:
                 steps, values = zip(*points, strict=True)
                 series.setdefault(metric, {})[label] = (list(steps), list(values))

@@ -360,3 +360,25 @@ def test_a_signal_that_library_code_turns_into_another_error_still_exits_130(mon
     monkeypatch.setattr(cli, "cmd_doctor", lambda args: int("not a number"))
     assert main(["doctor"]) == 2  # the next command's own error is its own again
     assert "impasto: error: invalid literal" in capsys.readouterr().err
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path):
+    """A data-loader worker is a fork: it shares the lock's open file, so without closing its
+    copy the run would stay locked (and read as running) after the trainer let go."""
+    import os
+    import time
+
+    from impasto.train.run_lock import RunLock
+
+    lock = RunLock(tmp_path).acquire()
+    child = os.fork()
+    if child == 0:  # the worker: outlives the lock
+        time.sleep(3)
+        os._exit(0)
+    try:
+        time.sleep(0.2)
+        lock.release()
+        RunLock(tmp_path).acquire().release()  # free, while the child still runs
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)

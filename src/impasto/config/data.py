@@ -135,6 +135,13 @@ class DataConfig(Section):
     max_bad_fraction: Float = Field(
         0.05, ge=0, le=1, description="stop with an error if more images than this are unreadable"
     )
+    validation_split: Float = Field(
+        0.0,
+        ge=0,
+        le=0.5,
+        description="a seeded fraction of the images held out of training for the validation "
+        "loss (eval.every_steps); 0: none",
+    )
 
     @model_validator(mode="after")
     def _one_way_to_name_the_data(self) -> DataConfig:

@@ -17,6 +17,13 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from impasto.config.data import CacheConfig, DataConfig
 from impasto.config.draftp import DraftpConfig, RewardConfig
+from impasto.config.monitoring import (  # noqa: F401  (ProfileConfig, WandbConfig: re-exported)
+    EvalConfig,
+    LogConfig,
+    ProfileConfig,
+    WandbConfig,
+)
+from impasto.config.parallel import ParallelConfig
 from impasto.config.section import (
     MAX_RESOLUTION,
     MAX_SAMPLER_STEPS,
@@ -37,8 +44,6 @@ MAX_TIMESTEPS = 10_000  # DDPM timesteps T (SDXL: 1000)
 MAX_LORA_RANK = 4096  # SDXL adapters use 4 to 256; 4096 is full rank for most of its layers
 MAX_EPOCHS = 10**6
 MAX_GRAD_ACCUM = 65536
-MAX_RANKS = 65536  # ranks per HSDP shard group
-MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective waits at most a week
 MAX_IMAGES_PER_PROMPT = 256
 DEVICE = r"auto|cpu|mps|cuda(:\d{1,4})?"  # the forms train.device takes
 DEVICE_FORMS = "auto, cpu, cuda, cuda:N (N a GPU index, e.g. cuda:1) or mps"
@@ -367,6 +372,12 @@ class CheckpointConfig(Section):
     model_config = ConfigDict(validate_by_name=True)  # merged with Section's
 
     every_steps: Int = Field(500, ge=1, le=MAX_STEPS)
+    every_minutes: Float | None = Field(
+        None,
+        gt=0,
+        le=7 * 24 * 60,
+        description="also save when this many minutes passed since the last save (wall clock)",
+    )
     keep_last: Int = Field(3, ge=1, le=MAX_STEPS)
     save_final: bool = True
     async_save: bool = Field(
@@ -374,42 +385,6 @@ class CheckpointConfig(Section):
         alias="async",
         description="parallel strategies: write the sharded checkpoint in the background while "
         "the next steps run (it becomes the newest checkpoint once every rank has written it)",
-    )
-
-
-class ParallelConfig(Section):
-    """Training on several processes (``torchrun``): docs/distributed.md."""
-
-    strategy: Literal["none", "ddp", "fsdp", "hsdp"] = Field(
-        "none",
-        description="none: one process; ddp: full replicas, gradients all-reduced; fsdp: weights, "
-        "gradients and optimizer state sharded over every rank (FSDP2); hsdp: sharded within "
-        "a group of parallel.shard_size ranks (a node), replicated across groups",
-    )
-    reshard_after_forward: bool = Field(
-        True,
-        description="fsdp/hsdp: free each block's gathered weights after its forward and gather "
-        "them again in backward (less memory, one more all-gather per block)",
-    )
-    param_dtype: Literal["auto", "bf16", "fp32"] = Field(
-        "auto",
-        description="fsdp/hsdp: the dtype weights are gathered and computed in; auto: bf16 when "
-        "the run computes in bf16, else fp32",
-    )
-    reduce_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="fsdp/hsdp: the dtype gradients are reduced in"
-    )
-    shard_size: Int | None = Field(
-        None,
-        ge=1,
-        le=MAX_RANKS,
-        description="hsdp: ranks per shard group (default: the processes per node)",
-    )
-    timeout_s: Int = Field(
-        1800,
-        ge=10,
-        le=MAX_TIMEOUT_S,
-        description="how long a rank waits for the others in one collective",
     )
 
 
@@ -452,13 +427,6 @@ class SampleConfig(Section):
         return self
 
 
-class LogConfig(Section):
-    every_steps: Int = Field(1, ge=1, le=MAX_STEPS)
-    jsonl: bool = True
-    tensorboard: bool = True
-    progress_bar: bool = True
-
-
 PURE_BF16_OPTIMIZERS = ("adamw_bf16_sr",)  # Adafactor rounds bf16 weights to nearest
 
 
@@ -480,8 +448,18 @@ class Config(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     draftp: DraftpConfig = Field(default_factory=DraftpConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+
+    @model_validator(mode="after")
+    def _eval_has_data(self) -> Config:
+        if self.eval.every_steps and not (self.data.validation_split or self.eval.sets):
+            raise ValueError(
+                "eval.every_steps: the validation loss needs held-out images; set "
+                "data.validation_split (e.g. 0.05) or list eval.sets"
+            )
+        return self
 
     @model_validator(mode="after")
     def _memory_options_fit(self) -> Config:

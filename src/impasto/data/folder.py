@@ -84,11 +84,14 @@ class Scan:
     """What reading a source found: its records, and the items it left out with the reason
     (each named once). ``groups``: each image's group (its name → a folder's top-level
     subfolder, else the source's name), filled in by :func:`~impasto.data.records.scan_sources`
-    for the run summary and the tag frequency of checkpoints (:mod:`impasto.data.census`)."""
+    for the run summary and the tag frequency of checkpoints (:mod:`impasto.data.census`).
+    ``held_out``: the images ``data.validation_split`` keeps out of ``records``, each once, in
+    their fixed order (:mod:`impasto.data.holdout`)."""
 
     records: list[ImageRecord] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     groups: dict[str, str] = field(default_factory=dict)
+    held_out: list[ImageRecord] = field(default_factory=list)  # data.validation_split's images
 
     def skip(self, name: str | Path, reason: str) -> None:
         self.skipped.append(Skipped(SCANNED, str(name), reason))

@@ -22,12 +22,14 @@ from impasto.data.buckets import assign_image_buckets, buckets_from
 from impasto.data.cache import CachedEncodings
 from impasto.data.cache_fill import CacheReport, fill_cache, identify_images
 from impasto.data.captions import caption_tools_from, tag_frequency_weights
+from impasto.data.holdout import HeldOutSet, generate_missing_demo_sets, held_out_set
 from impasto.data.records import (
     SOURCE_READERS,
     check_bad_fraction,
     load_records,
     num_items,
     print_left_out,
+    read_eval_set,
     scan_sources,
     shard_index_dir,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "PromptStream",
     "RunData",
     "cache_data",
+    "held_out_sets",
     "count_total_steps",
     "load_records",
     "place_in_buckets",
@@ -279,7 +282,9 @@ class RunData:
     bad-data report, and the items left out while the sources were read (``scan_skipped``:
     already in the report, never in a batch; each counts as one unusable image).
     ``bucket_of``: each record's bucket (None: no buckets); ``groups``: each image's group
-    (:mod:`impasto.data.census`)."""
+    (:mod:`impasto.data.census`). ``held_out``: the images ``data.validation_split`` keeps
+    out of training; ``eval_sets``: what the validation loss reads (``eval.every_steps``: the
+    split, then ``eval.sets``; none when it is off)."""
 
     records: list[ImageRecord]
     stream: DataStream | PromptStream
@@ -288,6 +293,8 @@ class RunData:
     scan_skipped: list[Skipped] = field(default_factory=list)
     bucket_of: list[Bucket | None] | None = None
     groups: dict[str, str] = field(default_factory=dict)
+    held_out: list[ImageRecord] = field(default_factory=list)
+    eval_sets: list[HeldOutSet] = field(default_factory=list)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -315,6 +322,10 @@ def prepare_run_data(
     written. ``pixels_only`` (``impasto data preview``): decode the images even when the
     config caches them, with the crops and captions a cached run trains on (no cache is read
     or filled; ``backbone`` may be None).
+
+    The images of ``data.validation_split`` are held out of the records (``held_out``); with
+    ``eval.every_steps``, ``eval_sets`` holds what the validation loss reads
+    (:func:`held_out_sets`).
     """
     group = group or RunGroup()
     rank, world = group.rank, group.world
@@ -335,7 +346,7 @@ def prepare_run_data(
     unplaced = {item.name for item in unreadable}
     usable = [record for record in records if str(record.image_path) not in unplaced]
     skipped = scan.skipped + unreadable
-    left_out = report_left_out(config, bad_data, skipped, usable, main)
+    left_out = report_left_out(config, bad_data, skipped, usable + scan.held_out, main)
     total = count_total_steps(config, len(records), bucket_of, world)
     if cached:
         encodings, report = fill_cache(
@@ -352,7 +363,43 @@ def prepare_run_data(
     stream = DataStream(
         config, records, bucket_of, weights, encodings, rank, world, known_bad, variants
     )
-    return RunData(records, stream, total, bad_data, left_out, bucket_of, scan.groups)
+    sets = [] if pixels_only else held_out_sets(config, scan.held_out, main)
+    return RunData(
+        records, stream, total, bad_data, left_out, bucket_of, scan.groups, scan.held_out, sets
+    )
+
+
+def held_out_sets(config: Any, split: list[ImageRecord], main: bool = True) -> list[HeldOutSet]:
+    """What the validation loss reads (``eval.every_steps``; none when it is off): the
+    validation split ``split`` (when it holds an image), then each of ``eval.sets`` (the demo's
+    written first with ``data.generate_demo``: :func:`generate_missing_demo_sets`)."""
+    evaluation = config.eval
+    if not evaluation.every_steps:
+        return []
+    names = [eval_set.name for eval_set in evaluation.sets]
+    reserved = {"ema"} | {name for name in names if names.count(name) > 1}
+    if reserved & set(names):
+        raise ValueError(
+            f"eval.sets: name {sorted(reserved & set(names))[0]!r} is taken (the names must "
+            "differ, and val/ema/ holds the EMA weights' losses); rename the set"
+        )
+    generate_missing_demo_sets(config, main)
+    batch_size = evaluation.batch_size or config.data.batch_size
+    sets = [held_out_set(config, None, split, batch_size)] if split else []
+    if config.data.validation_split and not split and main:
+        print(
+            f"impasto: data.validation_split {config.data.validation_split:g} held out no "
+            "image (too few images); no val/loss"
+        )
+    for eval_set in evaluation.sets:
+        records = read_eval_set(config, eval_set)
+        sets.append(held_out_set(config, eval_set.name, records, batch_size))
+    if not sets:
+        raise ValueError(
+            "eval.every_steps: no held-out image to measure the validation loss on; raise "
+            "data.validation_split or list eval.sets"
+        )
+    return sets
 
 
 def report_left_out(

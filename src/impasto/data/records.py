@@ -19,6 +19,7 @@ from typing import Any
 
 from impasto.data.demo import write_demo_dataset
 from impasto.data.folder import ImageRecord, Scan, scan_folder, scan_manifest
+from impasto.data.holdout import ordered_images, record_identity, split_held_out
 from impasto.data.prompts import read_prompts
 from impasto.data.skips import Skipped, UnreadableSource, distinct
 from impasto.data.sources import hf_dataset_scan, parquet_scan, webdataset_scan
@@ -66,6 +67,9 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
 
     ``main``: this process writes the demo dataset when it is missing (the other ranks of a
     run wait for it).
+
+    ``data.validation_split`` holds images out of the records, into ``held_out``
+    (:mod:`impasto.data.holdout`: by a hash of each image's identity and ``eval.seed``).
     """
     data = config.data
     if main and data.generate_demo and not Path(data.path).exists():
@@ -78,7 +82,7 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
         prompts = read_prompts(data.prompts)
         name = Path(data.prompts).name
         return Scan(prompts, groups={str(record.image_path): name for record in prompts})
-    scan, unreadable = Scan(), []
+    scan, unreadable, identities = Scan(), [], {}
     for source in data.source_list():
         try:
             found = SOURCE_READERS[source.source](source, shard_index_dir(config))
@@ -94,6 +98,7 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
         scan.records.extend(record for record in records for _ in range(source.repeats))
         scan.skipped.extend(found.skipped)
         scan.groups.update((str(record.image_path), group_of(source, record)) for record in records)
+        identities.update((str(r.image_path), record_identity(source.path, r)) for r in records)
     if not scan.records and unreadable:  # nothing readable remains
         more = (
             f" (and {len(unreadable) - 1} more unreadable sources)" if len(unreadable) > 1 else ""
@@ -101,7 +106,16 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
         raise ValueError(f"{unreadable[0]}{more}")
     if data.missing_captions == "skip":
         scan = leave_out_uncaptioned(scan)
-    return Scan(scan.records, distinct(scan.skipped), scan.groups)
+    # After the captions: an image left out for having none is neither trained nor held out.
+    records, held_out = split_held_out(
+        scan.records, identities, data.validation_split, config.eval.seed
+    )
+    if data.validation_split and not records:
+        raise ValueError(
+            f"data.validation_split: {data.validation_split:g} held out every image; lower it "
+            "or add images"
+        )
+    return Scan(records, distinct(scan.skipped), scan.groups, held_out)
 
 
 def source_name(source: Any) -> str:
@@ -192,3 +206,23 @@ def print_left_out(skipped: Sequence[Skipped], report: Path | None) -> None:
     if unreadable:
         where = f" (reasons in {report})" if report else ""
         print(f"impasto: left out {len(unreadable)} unusable items{where}: {_named(unreadable)}")
+
+
+def read_eval_set(config: Any, eval_set: Any) -> list[ImageRecord]:
+    """The images of one of ``eval.sets``, each once, in their fixed order
+    (:func:`~impasto.data.holdout.ordered_images`); images without a caption are left out with
+    ``data.missing_captions: skip``. A one-line error when the set cannot be read or holds no
+    usable image."""
+    where = f"eval.sets {eval_set.name} ({eval_set.path})"
+    try:
+        scan = SOURCE_READERS[eval_set.source](eval_set, shard_index_dir(config))
+    except UnreadableSource as error:
+        raise ValueError(f"{where}: {error.reason}") from None
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{where}: {str(error).removeprefix('data: ')}") from None
+    records = scan.records
+    if config.data.missing_captions == "skip":
+        records = [record for record in records if record.caption]
+    if not records:
+        raise ValueError(f"{where}: no usable image with a caption in it")
+    return ordered_images(records, str(eval_set.path), config.eval.seed)

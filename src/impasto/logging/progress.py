@@ -171,6 +171,36 @@ def estimate_line(clock: RunClock, step: int, elapsed_s: float) -> str:
     )
 
 
+def step_line(
+    step: int,
+    total: int,
+    values: dict[str, float],
+    smoothed: float | None,
+    remaining_s: float | None,
+) -> str:
+    """The line a logging step prints without a progress bar::
+
+        impasto: step 250/3000 loss 0.1234 avg 0.1301 lr 1.90e-03 grad 0.41 41.2 img/s
+        data 2% MFU 38.1% mem 21.3 GiB eta 0:10:02
+
+    (on one line; the parts a step lacks are left out)."""
+    parts = [f"impasto: step {step}/{total}", f"loss {values['loss']:.4f}"]
+    if smoothed is not None:
+        parts.append(f"avg {smoothed:.4f}")
+    parts.append(f"lr {values['lr']:.2e}")
+    optional = (
+        ("grad_norm", "grad {:.3g}"),
+        ("samples_per_s", "{:.3g} img/s"),
+        ("data_wait", "data {:.0%}"),
+        ("mfu", "MFU {:.1%}"),
+        ("peak_memory_gib", "mem {:.3g} GiB"),
+    )
+    parts += [form.format(values[key]) for key, form in optional if key in values]
+    if remaining_s is not None:
+        parts.append(f"eta {format_duration(remaining_s)}")
+    return " ".join(parts)
+
+
 class RunProgress:
     """What a run shows while it trains: the tqdm bar (``bar``: rank 0 with
     ``log.progress_bar``) with the raw and smoothed loss of the last logging step, the LR and
@@ -207,13 +237,18 @@ class RunProgress:
             elapsed = time.perf_counter() - self.started
             self.write(estimate_line(self.clock, step, elapsed))
 
-    def log(self, values: dict[str, float]) -> None:
-        """A logging step's host values: the loss (raw and smoothed) and the LR."""
+    def log(self, step: int, values: dict[str, float]) -> None:
+        """A logging step's host values: the loss (raw and smoothed) and the LR in the bar;
+        without a bar (``log.progress_bar: false``: batch jobs, log files), one line
+        (:func:`step_line`)."""
         smoothed = self.loss.update(values["loss"])
         self.postfix["loss"] = f"{values['loss']:.4f}"
         if smoothed is not None:
             self.postfix["avg"] = f"{smoothed:.4f}"
         self.postfix["lr"] = f"{values['lr']:.2e}"
+        if self.main and self.bar.disable:
+            remaining = self.clock.remaining(step)
+            print(step_line(step, self.clock.schedule.total_steps, values, smoothed, remaining))
 
     def advance(self, step: int) -> None:
         """Step ``step`` is done, with its validation and save."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,15 +17,18 @@ if TYPE_CHECKING:
     from impasto.train.trainer import TrainResult
 
 
-def train(config: Config, resume: bool = True) -> TrainResult:
+def train(
+    config: Config, resume: bool = True, run_summary: Callable[[Path], list[str]] | None = None
+) -> TrainResult:
     """Train (or resume) the run of ``config``; its registry names are checked first, since
-    :func:`impasto.config.build_config` checks structure only."""
+    :func:`impasto.config.build_config` checks structure only. ``run_summary(run_dir)``: the
+    lines rank 0 prints at the end or after a stop (the CLI passes ``impasto.runs``')."""
     from impasto.train.checks import check_config
 
     check_config(config)
     from impasto.train.trainer import train as _train
 
-    return _train(config, resume=resume)
+    return _train(config, resume=resume, run_summary=run_summary)
 
 
 class _CallableModule(types.ModuleType):

@@ -48,6 +48,22 @@ def lock_run_dir(run_dir: Path, group: Any) -> RunLock | None:
     return lock
 
 
+# The descriptors of the locks this process holds. A forked child (a data-loader worker)
+# shares each one's open file, and with it the flock, which would outlive this process while
+# the child runs: the child closes its copies at once (the lock stays with this process).
+_HELD: set[int] = set()
+
+
+def _close_inherited_locks() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 class RunLock:
     """The lock on ``run_dir``, held from :meth:`acquire` until :meth:`release` (or until the
     process ends, however it ends)."""
@@ -75,6 +91,7 @@ class RunLock:
         self._fd = fd
         write_holder(fd)
         self._finalizer = weakref.finalize(self, os.close, fd)
+        _HELD.add(fd)
         return self
 
     def _acquire_exclusive_file(self) -> None:
@@ -101,6 +118,7 @@ class RunLock:
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
+        _HELD.discard(self._fd)
         self._fd = None
         self._exclusive_file = False
 

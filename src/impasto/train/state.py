@@ -30,6 +30,7 @@ from impasto.logging import METRICS_FILE
 from impasto.models.parts import Part, load_part
 from impasto.train.ema import EMA
 from impasto.train.rng import capture_rng_state, restore_rng_state
+from impasto.train.step_metrics import TrainingClock
 from impasto.version import __version__
 
 CHECKPOINTS = "checkpoints"
@@ -90,7 +91,7 @@ def prepare_run_dir(config: Config, resume: bool, main: bool = True) -> Path:
 
 # What a run writes into its directory, moved aside as a whole by --no-resume.
 RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, "tensorboard", "samples", BAD_DATA_FILE, "buckets.txt",
-               "draftp-summary.json")  # fmt: skip
+               "draftp-summary.json", "wandb", "wandb-run-id", "profile")  # fmt: skip
 
 
 def archive_earlier_run(run_dir: Path) -> Path | None:
@@ -154,15 +155,27 @@ def ema_states(ema: EMA) -> dict[str, StatefulValue]:
     }
 
 
-def run_info(config: Config, optimizer: torch.optim.Optimizer) -> StatefulValue:
-    """What the checkpoint records about the run (config hash, version, LRs); a record only:
-    restoring it changes nothing (``check_resumable`` compares the configs)."""
+def run_info(
+    config: Config, optimizer: torch.optim.Optimizer, clock: TrainingClock | None = None
+) -> StatefulValue:
+    """What the checkpoint records about the run (config hash, version, LRs) and, with
+    ``clock``, its training time so far (``elapsed_s``), which a resumed run continues from:
+    restoring changes nothing else (``check_resumable`` compares the configs).
+
+    The training time lives here, not in :class:`TrainState`: wall time differs between a
+    resumed and an uninterrupted run, and this record is the one part of a checkpoint that
+    is not the run's bitwise state (the exact-resume tests compare the rest)."""
 
     def record() -> dict[str, Any]:
         lrs = [group["lr"] for group in optimizer.param_groups]
-        return {"config_hash": config_hash(config), "impasto_version": __version__, "lr": lrs}
+        info = {"config_hash": config_hash(config), "impasto_version": __version__, "lr": lrs}
+        return info | ({"elapsed_s": clock.elapsed()} if clock is not None else {})
 
-    return StatefulValue(record, lambda saved: None)
+    def restore(saved: dict[str, Any]) -> None:
+        if clock is not None:
+            clock.resume(saved.get("elapsed_s", 0.0))
+
+    return StatefulValue(record, restore)
 
 
 def optimizer_by_name(optimizer: torch.optim.Optimizer, parts: dict[str, Part]) -> StatefulValue:

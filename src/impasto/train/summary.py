@@ -116,6 +116,12 @@ def data_lines(config: Config, data: RunData) -> list[str]:
     if unplaced:
         left_out += f"; {unplaced} examples fit no bucket"
     lines.append(left_out)
+    if config.data.validation_split and config.data.prompts is None:
+        split = config.data.validation_split
+        lines.append(
+            f"held out    {len(data.held_out)} images for validation (data.validation_split "
+            f"{split:g}), never trained on"
+        )
     if config.data.prompts is None:
         lines.append(f"buckets     {bucket_text(config, data)}")
     return lines
@@ -140,13 +146,25 @@ def schedule_lines(config: Config, data: RunData, world: int) -> list[str]:
     ranks = f"{world} rank{'s' if world > 1 else ''}"
     every = config.sample.every_steps
     samples = f"samples every {every} steps" if every else "no samples"
-    return [
+    minutes = config.checkpoint.every_minutes
+    every_minutes = f" or {minutes:g} minutes" if minutes else ""
+    lines = [
         f"batch       {config.data.batch_size} x {train.grad_accum_steps} accumulation x "
         f"{ranks} = {per_step} images per step",
         f"length      {data.total_steps} steps = {epochs:.3g} epochs of {per_epoch} steps",
-        f"outputs     {samples}, checkpoints every {config.checkpoint.every_steps} steps "
-        f"(keep {config.checkpoint.keep_last})",
+        f"outputs     {samples}, checkpoints every {config.checkpoint.every_steps} steps"
+        f"{every_minutes} (keep {config.checkpoint.keep_last})",
     ]
+    if data.eval_sets:
+        evaluation = config.eval
+        sets = ", ".join(
+            f"{held.name or 'the split'} ({len(held.records)} images)" for held in data.eval_sets
+        )
+        lines.append(
+            f"validation  loss every {evaluation.every_steps} steps at {evaluation.timesteps} "
+            f"timesteps on {sets}"
+        )
+    return lines
 
 
 def parameter_text(trainable: Mapping[str, Part]) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,17 +19,20 @@ import torch
 from impasto.checkpoint.sharded import ShardedCheckpointer, is_sharded, load_sharded
 from impasto.checkpoint.stateful import Stateful, load_states
 from impasto.checkpoint.trained import model_metadata
-from impasto.config import Config, config_hash
+from impasto.config import Config, config_hash, config_to_dict
 from impasto.data import derive_seed
 from impasto.data.census import DATASET_FILE
-from impasto.data.dataset import Skipped
+from impasto.data.dataset import Batch, Skipped
 from impasto.data.pipeline import prepare_run_data
 from impasto.data.records import bad_fraction_text
 from impasto.distributed import RunGroup, run_group
 from impasto.faults import fault_point
 from impasto.logging import MetricsLogger
+from impasto.logging.flops import FlopMeter, peak_tflops, tflops_and_mfu
+from impasto.logging.profiler import StepProfiler
 from impasto.logging.progress import RunProgress
 from impasto.precision import resolve_device, resolve_precision
+from impasto.train.evaluation import build_evaluator, release_gathered
 from impasto.train.methods import DataNeeds, Rows
 from impasto.train.nonfinite import NonFiniteGuard
 from impasto.train.optim import LRSchedule
@@ -50,6 +53,13 @@ from impasto.train.state import (
     run_info,
     save_run,
 )
+from impasto.train.step_metrics import (
+    IntervalMeter,
+    TrainingClock,
+    group_lrs,
+    peak_memory,
+    subset_means,
+)
 from impasto.train.summary import dataset_facts, report, run_clock, summary_lines
 from impasto.train.validation import ValidationGrid, validation_prompts, write_validation_grid
 
@@ -62,9 +72,18 @@ class TrainResult:
     interrupted: bool
 
 
-def train(config: Config, resume: bool = True) -> TrainResult:
+RunSummary = Callable[[Path], Sequence[str]]
+"""The run summary printed at the end: the run directory → lines (the CLI passes
+``impasto.runs.summarize_run(run_dir).lines()``, which ``impasto runs summary`` prints again;
+``train/`` cannot import ``impasto.runs``, which imports ``train/``)."""
+
+
+def train(
+    config: Config, resume: bool = True, run_summary: RunSummary | None = None
+) -> TrainResult:
     """Train (or continue training) the run described by ``config``: in this process, or as
-    one rank of a ``torchrun`` job (``parallel.strategy``)."""
+    one rank of a ``torchrun`` job (``parallel.strategy``). ``run_summary``: what rank 0 prints
+    once the run stopped (finished or by a signal) and its files are closed."""
     parallel = config.parallel
     with (
         StopRequest(),
@@ -72,7 +91,7 @@ def train(config: Config, resume: bool = True) -> TrainResult:
             parallel.strategy, config.train.device, parallel.timeout_s, parallel.shard_size
         ) as group,
     ):
-        return Trainer(config, resume, group).run()
+        return Trainer(config, resume, group, run_summary).run()
 
 
 class Trainer:
@@ -82,8 +101,22 @@ class Trainer:
     reduction, the stop flag, metrics on logging steps, checkpoints) happen at the same steps
     on all of them, and rank 0 alone writes logs, samples and reports."""
 
-    def __init__(self, config: Config, resume: bool, group: RunGroup | None = None) -> None:
+    wall_clock: Callable[[], float] = staticmethod(time.monotonic)  # checkpoint.every_minutes
+
+    def __init__(
+        self,
+        config: Config,
+        resume: bool,
+        group: RunGroup | None = None,
+        run_summary: RunSummary | None = None,
+    ) -> None:
         self.started = time.perf_counter()
+        self.clock = TrainingClock()  # the run's training time, continued by a resume
+        self.run_summary = run_summary
+        # FLOPs counted once per batch shape (a compiled model would run eagerly while counted).
+        self.flop_meter = FlopMeter() if config.memory.compile == "none" else None
+        self.step_flops = 0
+        self.profiler: StepProfiler | None = None
         # A signal from here on stops at once (start-up), later after the step (run).
         self.stop = StopRequest().install()
         self.lock: RunLock | None = None
@@ -115,6 +148,10 @@ class Trainer:
             "every node must read the same dataset (a shared filesystem or identical copies)",
         )  # fmt: skip
         self.facts = dataset_facts(config, self.data, group.world)  # for dataset.json
+        self.evaluator = build_evaluator(
+            setup.method, setup.backbone, self.data.eval_sets, config, group
+        )
+        self.meter = IntervalMeter()
         # Read once: a prompt file edited mid-run changes neither the grids nor the ranks' lockstep.
         self.prompts = validation_prompts(config.sample) if config.sample.every_steps else []
         self.state = TrainState()
@@ -140,6 +177,8 @@ class Trainer:
         """Hand back what the run holds: the signal handlers and the run directory's lock
         (also when start-up failed)."""
         self.stop.restore()
+        if self.profiler is not None:
+            self.profiler.stop()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -172,16 +211,21 @@ class Trainer:
         if sharded:
             optimizer = optimizer_by_name(setup.optimizer, setup.trainable)
         states |= {"optimizer": optimizer, "lr_schedule": self.lr, "train": self.state}
-        states |= {"data": self.data.stream, "run": run_info(self.config, setup.optimizer)}
+        run = run_info(self.config, setup.optimizer, self.clock)
+        states |= {"data": self.data.stream, "run": run}
         if setup.ema is not None:
             states |= ema_states(setup.ema)
         return states | {"rng": self.rng}
 
     def run(self) -> TrainResult:
         try:
-            return self.train_steps()
+            result = self.train_steps()
         finally:
             self.close()
+        # After the lock is handed back: the summary reads the run as finished or stopped.
+        if self.group.is_main and self.run_summary is not None:
+            print("\n".join(self.run_summary(self.run_dir)))
+        return result
 
     def train_steps(self) -> TrainResult:
         config, state, total, log = self.config, self.state, self.data.total_steps, self.config.log
@@ -193,36 +237,42 @@ class Trainer:
                 group.world, state.step,
             )  # fmt: skip
             print("\n".join(summary))
-            metrics = MetricsLogger(self.run_dir, log.jsonl, log.tensorboard, state.step)
+            metrics = MetricsLogger(
+                self.run_dir, log.jsonl, log.tensorboard, state.step,
+                wandb=log.wandb, config=config_to_dict(config),
+            )  # fmt: skip
+        self.profiler = profiler = StepProfiler(log.profile, self.run_dir, main)
         progress = RunProgress(
             run_clock(config, total), state.step, main, log.progress_bar, log.every_steps
         )
         interrupted = False
-        if state.step == 0 and self.should_sample() and self.measures_validation():
-            with progress.timing("validation"):
-                self.validate(metrics, progress)  # the baseline of what the method measures
+        self.last_save = self.wall_clock()  # checkpoint.every_minutes counts from here
+        if state.step == 0:  # the baselines: what the method measures, the validation loss
+            self.log(metrics, self.check(metrics, progress, baseline=True))
         stop.defer()  # from the first step on, a signal saves after the step
         while state.step < total and not interrupted:
             progress.start_step(state.step)
             values = self.step()
-            if values is not None and metrics is not None:
-                metrics.log(state.step, values)
-                progress.log(values)
-            if self.should_sample():
-                with progress.timing("validation"):
-                    self.validate(metrics, progress)
-            # The ranks stop together: a signal seen by any of them stops all at this step.
-            (interrupted,) = self.group.any(stop.requested)
+            profiler.step()
+            if values is not None and main:
+                progress.log(state.step, values)
+            # One record per step: the training values (logging steps) and the validation's.
+            self.log(metrics, (values or {}) | self.check(metrics, progress))
+            # The ranks stop together: a signal seen by any of them stops all at this step;
+            # rank 0's clock decides a checkpoint by time (checkpoint.every_minutes).
+            interrupted, timely = self.group.any(stop.requested, self.save_is_due_by_time())
             if self.sharded is not None:
                 self.last_checkpoint = self.sharded.poll() or self.last_checkpoint
-            if self.should_save() or interrupted:
+            if self.should_save() or timely or interrupted:
                 with progress.timing("save"):
                     self.save()
+                self.last_save = self.wall_clock()
             progress.advance(state.step)
         if self.sharded is not None:
             self.last_checkpoint = self.sharded.wait() or self.last_checkpoint
         self.sync_counts()
         progress.close()
+        profiler.close()
         if metrics is not None:
             metrics.close()
         self.guard.settle()
@@ -233,6 +283,34 @@ class Trainer:
         if state.images_bad:
             print(f"impasto: the skipped images and why: {self.data.bad_data.path}")
         return TrainResult(self.run_dir, state, self.last_checkpoint, interrupted)
+
+    def log(self, metrics: MetricsLogger | None, values: dict[str, float]) -> None:
+        """Write one record of this step (rank 0), with the run's training time so far."""
+        if metrics is not None and values:
+            metrics.log(self.state.step, values | {"elapsed_s": self.clock.elapsed()})
+
+    def check(
+        self, metrics: MetricsLogger | None, progress: RunProgress, baseline: bool = False
+    ) -> dict[str, float]:
+        """The validation due at this step (every rank): the sample grid with what the method
+        measures on it, and the validation loss; returns their values. ``baseline`` (step 0,
+        before training): the grid only when the method measures it."""
+        values: dict[str, float] = {}
+        if self.should_sample() and (not baseline or self.measures_validation()):
+            with progress.timing("validation"):
+                values |= self.validate(metrics, progress)
+        if self.should_evaluate():
+            with progress.timing("validation"):
+                values |= self.evaluate(progress)
+        return values
+
+    def evaluate(self, progress: RunProgress) -> dict[str, float]:
+        """The validation loss of the live weights (and the EMA's) on the held-out sets."""
+        values = self.evaluator.evaluate(self.setup.ema)
+        if self.group.is_main:
+            losses = ", ".join(f"{k} {v:.4g}" for k, v in values.items() if k.endswith("/loss"))
+            progress.write(f"impasto: validation loss at step {self.state.step}: {losses}")
+        return values
 
     def save(self) -> None:
         """Checkpoint the run: sharded through DCP in a parallel run (maybe in the background),
@@ -274,7 +352,7 @@ class Trainer:
 
     def step(self) -> dict[str, float] | None:
         """One optimizer step; returns the metrics on logging steps (the only host syncs)."""
-        config, state = self.config, self.state
+        config, state, meter = self.config, self.state, self.meter
         step_start = time.perf_counter()
         lr = self.lr.apply(state.step)
         loss, metrics, num_samples = self.accumulate_gradients()
@@ -285,24 +363,38 @@ class Trainer:
             self.setup.ema.update(state.step)
         fault_point("step")
         self.unsynced.samples += num_samples
+        meter.add_subsets({name: value for name, value in metrics.items() if value.ndim})
         if state.step % config.log.every_steps and state.step != self.data.total_steps:
+            meter.step_s += time.perf_counter() - step_start
             return None
         self.guard.settle()
         self.sync_counts()
-        # One all-reduce of the loss and metrics (means over the ranks), then the host reads.
-        names = list(metrics)
-        means = self.group.mean(torch.stack([loss, *(metrics[name] for name in names)]))
-        means = means.tolist()
+        # One all-reduce of the loss, the metrics and the interval's (sum, count) pairs (means
+        # over the ranks: a pair's ratio is the same), then the host reads.
+        names = [name for name, value in metrics.items() if not value.ndim]
+        subsets = list(meter.subsets)
+        flat = [loss.reshape(1), *(metrics[name].reshape(1) for name in names)]
+        flat += [meter.subsets[name].to(loss) for name in subsets]
+        means = self.group.mean(torch.cat(flat)).tolist()
         (num_samples,) = self.group.sum(num_samples)  # this step's, over the ranks
         step_time = time.perf_counter() - step_start
-        values = {"loss": means[0], "lr": lr, "grad_norm": grad_norm.item()}
-        values |= dict(zip(names, means[1:], strict=True))
-        return values | {
+        meter.step_s += step_time
+        values = {"loss": means[0], "lr": lr} | group_lrs(self.setup.optimizer)
+        values["grad_norm"] = grad_norm.item()
+        values |= dict(zip(names, means[1 : 1 + len(names)], strict=True))
+        values |= subset_means(subsets, means[1 + len(names) :])
+        values |= {
             "step_time": step_time,
             "samples_per_s": num_samples / step_time,
+            "data_wait": meter.data_wait(),
             "epoch": self.data.stream.epoch,
             "images_bad": state.images_bad,
+            "steps_skipped": state.steps_skipped,
         }
+        if self.flop_meter is not None:  # this rank's FLOPs against one device's peak
+            values |= tflops_and_mfu(self.step_flops, step_time, peak_tflops(self.group.device))
+        meter.reset()
+        return values | peak_memory(self.group.device)
 
     def accumulate_gradients(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
         """Forward and backward ``grad_accum_steps`` micro-batches; returns the mean loss and
@@ -313,9 +405,11 @@ class Trainer:
         total_loss = torch.zeros((), device=self.setup.backbone.device)
         metrics: dict[str, torch.Tensor] = {}
         num_samples = 0
+        self.step_flops = 0
         step_seed = derive_seed(config.train.seed, 0, state.step, 0)  # the method's draws
         for micro in range(accum):
-            batch = next(self.data.stream)
+            with self.meter.waiting():
+                batch = next(self.data.stream)
             self.unsynced.add(config.data.batch_size, batch.num_bad, batch.skipped)
             self.check_bad_fraction()
             # This micro-batch is slot micro × world + rank of the step's global batch (the
@@ -334,10 +428,15 @@ class Trainer:
             rows = Rows(slot, accum * group.world, config.data.batch_size)
             torch.manual_seed(derive_seed(config.train.seed, state.step, slot, 1))
             generator = torch.Generator().manual_seed(step_seed)
-            out = self.setup.micro_step(batch, generator, 1 / accum, rows, micro == accum - 1)
+            key = batch_shapes(batch)
+            with self.flop_meter.measure(key) if self.flop_meter else contextlib.nullcontext():
+                out = self.setup.micro_step(batch, generator, 1 / accum, rows, micro == accum - 1)
+            if self.flop_meter is not None:
+                self.step_flops += self.flop_meter.flops(key) or 0
             total_loss += out.loss
-            for name, value in out.metrics.items():
-                metrics[name] = metrics.get(name, 0) + value.detach() / accum
+            for name, value in out.metrics.items():  # means: averaged; (sum, count): summed
+                value = value.detach() if value.ndim else value.detach() / accum
+                metrics[name] = metrics.get(name, 0) + value
             num_samples += len(batch.captions)
         return total_loss / accum, metrics, num_samples
 
@@ -355,9 +454,9 @@ class Trainer:
                 "fix the broken files"
             )
 
-    def validate(self, metrics: MetricsLogger | None, progress: RunProgress) -> None:
-        """Render the validation grid (every rank: FSDP gathers weights) and log it with what
-        the method measures on it (rank 0)."""
+    def validate(self, metrics: MetricsLogger | None, progress: RunProgress) -> dict[str, float]:
+        """Render the validation grid (every rank: FSDP gathers weights) and log it (rank 0);
+        returns what the method measures on it (rank 0; nothing elsewhere)."""
         step = self.state.step
         with self.sampling_weights():
             validation = write_validation_grid(
@@ -365,12 +464,10 @@ class Trainer:
                 self.prompts,
             )  # fmt: skip
         if metrics is None:
-            return
+            return {}
         metrics.log_image("samples", validation.grid, step)
-        scores = self.validation_metrics(validation)
-        if scores:
-            metrics.log(step, scores)
         progress.write(f"impasto: samples at step {step}: {validation.path}")
+        return self.validation_metrics(validation)
 
     def measures_validation(self) -> bool:
         return hasattr(self.setup.method, "validation_metrics")
@@ -385,19 +482,45 @@ class Trainer:
         values = measure(validation.images, validation.prompts, per_prompt)
         return {f"val/{name}": value for name, value in values.items()}
 
-    def sampling_weights(self) -> AbstractContextManager:
-        """The weights validation samples use: the EMA's (``ema.sample_with_ema``) or live."""
-        if self.setup.ema is not None and self.config.ema.sample_with_ema:
-            return self.setup.ema.swapped()
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def sampling_weights(self) -> Iterator[None]:
+        """The weights validation samples use: the EMA's (``ema.sample_with_ema``) or live.
+        FSDP's gathered weights are dropped around the swap, so that neither the sampling nor
+        the next training step sees the other's (:func:`release_gathered`)."""
+        if self.setup.ema is None or not self.config.ema.sample_with_ema:
+            yield
+            return
+        modules = list(self.setup.backbone.modules().values())
+        release_gathered(modules)
+        with self.setup.ema.swapped():
+            try:
+                yield
+            finally:
+                release_gathered(modules)
 
     def should_sample(self) -> bool:
         every, step = self.config.sample.every_steps, self.state.step
         return every > 0 and (step % every == 0 or step == self.data.total_steps)
 
+    def should_evaluate(self) -> bool:
+        """The validation loss is due: every ``eval.every_steps`` steps (step 0: the starting
+        weights) and at the last step."""
+        every, step = self.config.eval.every_steps, self.state.step
+        if self.evaluator is None:
+            return False
+        return step % every == 0 or step == self.data.total_steps
+
     def should_save(self) -> bool:
         final = self.state.step == self.data.total_steps and self.config.checkpoint.save_final
         return final or self.state.step % self.config.checkpoint.every_steps == 0
+
+    def save_is_due_by_time(self) -> bool:
+        """``checkpoint.every_minutes`` passed on this process's clock since the last save (or
+        the start). Rank 0's answer counts: the others say no, and ``group.any`` agrees."""
+        minutes = self.config.checkpoint.every_minutes
+        if minutes is None or not self.group.is_main:
+            return False
+        return self.wall_clock() - self.last_save >= minutes * 60
 
 
 @dataclass
@@ -413,3 +536,10 @@ class UnsyncedCounts:
         self.attempted += attempted
         self.bad += bad
         self.skipped.extend(skipped)
+
+
+def batch_shapes(batch: Batch) -> tuple:
+    """What decides a step's FLOPs: the shapes of the batch's tensors (the bucket, cached or
+    encoded on the fly, the caption length)."""
+    tensors = (batch.pixel_values, batch.latent_mean, batch.prompt_embeds, batch.loss_masks)
+    return tuple(None if t is None else tuple(t.shape) for t in tensors) + (len(batch.captions),)

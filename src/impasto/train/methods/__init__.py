@@ -33,11 +33,36 @@ class DataNeeds(enum.Enum):
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One micro-step's result: the loss to backpropagate and metrics to log (0-dim tensors,
-    read on logging steps only)."""
+    """One micro-step's result: the loss to backpropagate and metrics to log, as tensors read on
+    logging steps only. A metric is a 0-dim tensor (a mean over the micro-batch: the loop logs
+    the logging step's, averaged over its micro-batches and ranks), or a ``[2]`` tensor
+    ``(sum, count)`` over some of the samples (:func:`subset_mean`): the loop sums those over
+    the micro-batches, ranks and steps since the last logging step and logs sum / count
+    (nothing when the count is 0), e.g. the loss of the samples in one timestep bucket."""
 
     loss: Tensor  # scalar, differentiable
     metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def subset_mean(values: Tensor, member: Tensor) -> Tensor:
+    """``[2]``: (the sum of ``values`` [B] where ``member`` [B] (bool) holds, how many hold),
+    float32 on their device, no host sync: a metric the loop logs as a mean over the logging
+    interval (:class:`StepOutput`)."""
+    member = member.to(values.dtype)
+    return torch.stack([(values * member).sum(), member.sum()]).float()
+
+
+def time_bucket_metrics(
+    per_sample_loss: Tensor, time_fraction: Tensor, num_buckets: int
+) -> dict[str, Tensor]:
+    """``loss_t0`` … ``loss_t{n-1}``: the loss of the samples whose time, as a fraction of the
+    process's range ([0, 1): clean to noise), falls in each of ``num_buckets`` equal buckets
+    (:func:`subset_mean` each). Shows which noise levels the loss comes from."""
+    bucket = (time_fraction.float() * num_buckets).long().clamp_(0, num_buckets - 1)
+    return {
+        f"loss_t{number}": subset_mean(per_sample_loss.detach().float(), bucket == number)
+        for number in range(num_buckets)
+    }
 
 
 @dataclass(frozen=True)
@@ -91,6 +116,20 @@ class Method(Protocol):
         the step's global batch (``rows``: this micro-batch's place in it)."""
 
 
+class EvalLoss(Protocol):
+    """The optional validation-loss hooks of a method (``eval.*``; :mod:`impasto.train.evaluation`).
+    A method without them (draftp) has no validation loss."""
+
+    def eval_times(self, num_strata: int) -> Tensor:
+        """``[S]``: the fixed times the validation loss is measured at, one per stratum of the
+        method's time range (its midpoint), in the form :meth:`eval_loss` takes."""
+
+    def eval_loss(self, batch: Batch, times: Tensor, noise: Tensor) -> Tensor:
+        """``[S, B]``: the loss of each of the batch's ``B`` images at each of ``times`` ``[S]``
+        with ``noise`` ``[S, B, C, h, w]`` (latent shape), without gradients and drawing no
+        random number; called in eval mode."""
+
+
 MethodBuilder = Callable[[MethodContext], Method]
 
 METHODS: dict[str, MethodBuilder] = {}
@@ -111,6 +150,7 @@ from impasto.train.methods import denoise, draftp  # noqa: E402,F401  (register 
 __all__ = [
     "METHODS",
     "DataNeeds",
+    "EvalLoss",
     "Method",
     "MethodContext",
     "WHOLE_STEP",
@@ -118,4 +158,6 @@ __all__ = [
     "StepOutput",
     "build_method",
     "register_method",
+    "subset_mean",
+    "time_bucket_metrics",
 ]

@@ -26,7 +26,12 @@ from impasto.train.methods import (
     Rows,
     StepOutput,
     register_method,
+    time_bucket_metrics,
 )
+
+TIME_BUCKETS = 4
+"""The training loss is also logged per quarter of the time range: ``loss_t0`` (least noise)
+to ``loss_t3`` (most), over the samples of each logging interval."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,45 @@ class DenoiseMethod:
             self.backbone, self.objective, batch, generator, self.autocast, self.memo,
             train_text=self.train_text, rows=rows,
         )  # fmt: skip
-        return StepOutput(out.loss)
+        fraction = out.timesteps / self.objective.num_train_timesteps
+        return StepOutput(
+            out.loss, time_bucket_metrics(out.per_sample_loss, fraction, TIME_BUCKETS)
+        )
+
+    def eval_times(self, num_strata: int) -> Tensor:
+        """The midpoint of each of ``num_strata`` equal strata of the process's times: VP
+        timesteps ⌊(s + ½)·T/S⌋, flow t ≈ (s + ½)/S (unshifted: the same noise levels in
+        every run, whatever its ``flow_shift``)."""
+        grid = self.objective.process.grid_times()  # every time, in order
+        picks = (torch.arange(num_strata, dtype=torch.float64) + 0.5) * len(grid) / num_strata
+        times = grid[picks.long()]
+        return times.float() if times.is_floating_point() else times
+
+    def eval_loss(self, batch: Batch, times: Tensor, noise: Tensor) -> Tensor:
+        """The configured loss (and weighting) of each image at each fixed time: the latents
+        are the posterior means, x_t uses ``noise`` as it is (no offset, pyramid or input
+        perturbation: the objective itself, not its augmentations)."""
+        backbone, objective = self.backbone, self.objective
+        device = backbone.device
+        with torch.no_grad():
+            mean, _ = EncodingMemo(latents=False, text_embeddings=False).posterior(backbone, batch)
+            latents = backbone.encode_latents(mean).float()
+            text = backbone.text_from_cache(batch)
+            if text is None:
+                with self.autocast():
+                    text = backbone.encode_text(batch.captions)
+            condition = backbone.condition(text, batch)
+            losses = []
+            for time, time_noise in zip(times, noise, strict=True):
+                batch_times = time.expand(latents.shape[0]).to(device)
+                time_noise = time_noise.to(device)
+                noisy, target, model_times = objective.noised(
+                    latents, time_noise, time_noise, batch_times
+                )
+                with self.autocast():
+                    prediction = backbone.forward(noisy, model_times, condition)
+                losses.append(objective.per_sample_loss(prediction, target, batch_times))
+        return torch.stack(losses)
 
 
 register_method("denoise")(DenoiseMethod)

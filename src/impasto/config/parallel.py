@@ -1,0 +1,48 @@
+"""The ``parallel`` config section: training on several processes (docs/distributed.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from impasto.config.section import Int, Section
+
+MAX_RANKS = 65536  # ranks per HSDP shard group
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective waits at most a week
+
+
+class ParallelConfig(Section):
+    """Training on several processes (``torchrun``): docs/distributed.md."""
+
+    strategy: Literal["none", "ddp", "fsdp", "hsdp"] = Field(
+        "none",
+        description="none: one process; ddp: full replicas, gradients all-reduced; fsdp: weights, "
+        "gradients and optimizer state sharded over every rank (FSDP2); hsdp: sharded within "
+        "a group of parallel.shard_size ranks (a node), replicated across groups",
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="fsdp/hsdp: free each block's gathered weights after its forward and gather "
+        "them again in backward (less memory, one more all-gather per block)",
+    )
+    param_dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="fsdp/hsdp: the dtype weights are gathered and computed in; auto: bf16 when "
+        "the run computes in bf16, else fp32",
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="fsdp/hsdp: the dtype gradients are reduced in"
+    )
+    shard_size: Int | None = Field(
+        None,
+        ge=1,
+        le=MAX_RANKS,
+        description="hsdp: ranks per shard group (default: the processes per node)",
+    )
+    timeout_s: Int = Field(
+        1800,
+        ge=10,
+        le=MAX_TIMEOUT_S,
+        description="how long a rank waits for the others in one collective",
+    )
