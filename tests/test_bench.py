@@ -37,6 +37,24 @@ def test_flops_match_an_independent_count_and_rows_are_complete() -> None:
         assert row["mfu"] is None and row["peak_memory_gib"] is None  # CPU: ratios only
 
 
+def test_a_variant_that_runs_out_of_memory_is_reported_and_the_rest_measured(monkeypatch):
+    import impasto.bench as bench
+
+    class FitsNot(ImpastoStep):
+        def __init__(self, config, device, group=None) -> None:
+            if config.memory.fused_backward:  # the "fused" variant
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            super().__init__(config, device, group)
+
+    monkeypatch.setattr(bench, "ImpastoStep", FitsNot)
+    report = run_bench("tiny", batch=2, steps=1, warmup=0, rounds=2, variants=["fused", "lora"])
+    rows = {row["name"]: row for row in report["rows"]}
+    assert list(rows) == ["diffusers", "fused", "lora"]
+    assert rows["fused"]["error"] == "out of memory" and rows["fused"]["step_ms"] is None
+    assert rows["lora"]["error"] is None and rows["lora"]["step_ms"] > 0
+    assert "fused          out of memory" in format_report(report)
+
+
 def test_the_impasto_step_trains_with_the_variant_settings() -> None:
     config = bench_config("tiny", 64, 2, "auto", "cpu", ["optim.lr=1e-3"], {"parts.unet": "lora"})
     step = ImpastoStep(config, torch.device("cpu"))

@@ -283,3 +283,30 @@ def test_pickled_bin_weights_are_refused(tmp_path: Path, tiny: SDXLComponents) -
     weights.rename(weights.with_name("diffusion_pytorch_model.bin"))
     with pytest.raises(ValueError, match="only pickled .bin weights; impasto loads safetensors"):
         load_diffusers(tmp_path / "model")
+
+
+def test_reusing_preset_builds_builds_once_and_hands_out_independent_copies(monkeypatch) -> None:
+    from impasto.models import presets
+
+    calls: list[int] = []
+
+    def counted(seed: int) -> SDXLComponents:
+        calls.append(seed)
+        return presets.build_tiny(seed)
+
+    monkeypatch.setitem(presets.PRESETS, "tiny", counted)
+    with presets.reusing_preset_builds():
+        first, second = presets.build_preset("tiny", 1), presets.build_preset("tiny", 1)
+        other_seed = presets.build_preset("tiny", 2)
+    assert calls == [1, 2]  # the second seed-1 build was a copy
+    assert presets.PRESETS["tiny"] is counted  # restored
+    fresh = presets.build_tiny(1)
+    for copy_ in (first, second):
+        for (name, a), b in zip(
+            copy_.unet.named_parameters(), fresh.unet.parameters(), strict=True
+        ):
+            assert torch.equal(a, b), name
+    with torch.no_grad():
+        first.unet.conv_in.weight.add_(1.0)  # the copies share no storage
+    assert torch.equal(second.unet.conv_in.weight, fresh.unet.conv_in.weight)
+    assert not torch.equal(other_seed.unet.conv_in.weight, fresh.unet.conv_in.weight)

@@ -45,6 +45,7 @@ from impasto.config import Config
 from impasto.data import Batch
 from impasto.logging.flops import peak_tflops
 from impasto.models import add_time_ids
+from impasto.models.presets import reusing_preset_builds
 from impasto.precision import autocast_factory, resolve_device, resolve_precision
 from impasto.train.checks import check_config
 
@@ -57,12 +58,14 @@ PARALLEL_STRATEGIES = ("ddp", "fsdp")
 @dataclass(frozen=True)
 class BenchRow:
     name: str
-    step_ms: float
-    images_per_s: float
+    step_ms: float | None  # None: the variant did not run (``error`` says why)
+    images_per_s: float | None
     tflops: float | None
     mfu: float | None
     peak_memory_gib: float | None
-    vs_diffusers: float
+    vs_diffusers: float | None
+    error: str | None = None
+    rounds_ms: list[float] | None = None  # each round's step time (the spread of the median)
 
 
 class DiffusersStep:
@@ -178,23 +181,38 @@ def run_bench(
     }
     times: dict[str, list[float]] = {name: [] for name in configs}
     peaks: dict[str, float | None] = {}
+    out_of_memory: set[str] = set()  # variants that did not fit: reported, not retried
     flops, data = None, None
-    for _ in range(rounds):
-        for name, config in configs.items():
-            step = (DiffusersStep if name == "diffusers" else ImpastoStep)(config, target)
-            if data is None:
-                data = synthetic_batch(step.unet.config, batch, resolution)
-            step.prepare(data)
-            if flops is None:
-                flops = count_flops(step)
-            seconds, peaks[name] = time_steps(step, target, warmup, steps)
-            times[name].append(seconds)
-            del step
-            free_memory(target)
+    with reusing_preset_builds():  # one random model, copied for every variant and round
+        for _ in range(rounds):
+            for name, config in configs.items():
+                if name in out_of_memory:
+                    continue
+                try:
+                    step = (DiffusersStep if name == "diffusers" else ImpastoStep)(config, target)
+                    if data is None:
+                        data = synthetic_batch(step.unet.config, batch, resolution)
+                    step.prepare(data)
+                    if flops is None:
+                        flops = count_flops(step)
+                    seconds, peaks[name] = time_steps(step, target, warmup, steps)
+                    times[name].append(seconds)
+                except torch.OutOfMemoryError:
+                    if name == "diffusers":  # no baseline, no ratios
+                        raise ValueError(
+                            f"bench: the plain diffusers step does not fit at batch {batch} and "
+                            f"{resolution}² on {target}; lower --batch or --resolution"
+                        ) from None
+                    out_of_memory.add(name)
+                step = None  # drop the model (also after an error) before the next one is built
+                free_memory(target)
     peak_flops = peak_tflops(target)
     baseline = statistics.median(times["diffusers"])
     rows = []
     for name, measured in times.items():
+        if name in out_of_memory:
+            rows.append(BenchRow(name, None, None, None, None, None, None, "out of memory"))
+            continue
         seconds = statistics.median(measured)
         tflops = flops / seconds / 1e12 if target.type == "cuda" else None
         rows.append(
@@ -206,6 +224,7 @@ def run_bench(
                 mfu=None if tflops is None or peak_flops is None else tflops / peak_flops,
                 peak_memory_gib=peaks[name],
                 vs_diffusers=baseline / seconds,
+                rounds_ms=[value * 1e3 for value in measured],
             )
         )
     return {
@@ -239,6 +258,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'peak GiB':>9} {'vs diffusers':>13}",
     ]
     for row in report["rows"]:
+        if row.get("error"):
+            lines.append(f"{row['name']:<14} {row['error']}")
+            continue
         lines.append(
             f"{row['name']:<14} {row['step_ms']:>9.1f} {row['images_per_s']:>8.2f} "
             f"{show(row['tflops'], '.1f'):>8} {show(row['mfu'], '.1%'):>6} "

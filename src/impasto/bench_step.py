@@ -40,8 +40,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "channels_last": {"memory.channels_last": True},
     "compile": {"memory.compile": "blocks"},
+    "compile_unet": {"memory.compile": "unet"},
+    "cuda_graphs": {"memory.compile": "blocks", "memory.compile_mode": "reduce-overhead"},
     "lora": {"parts.unet": "lora"},
+    "lora_r32": {"parts.unet": "lora", "lora.rank": 32, "lora.alpha": 32},
     "offload": {"memory.offload_blocks": True},
+    "adamw_8bit": {"optim.name": "adamw_8bit"},
 }
 """Named sets of config overrides: what ``--variants`` can ask for."""
 

@@ -1,0 +1,128 @@
+"""Merge the stage results of ``run.sh`` (``WORK/*.json``) into ``OUT/results.json`` and a
+Markdown table ``OUT/results.md``: what goes into benchmarks/RESULTS.md.
+
+    python benchmarks/gpu/report.py WORK --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+STAGE_FILES = (
+    "env", "ceilings", "tests", "sdxl-512", "sdxl-1024", "sdxl-1024-compile", "sdxl-1024-memory",
+    "fsdp", "draftp", "cache",
+)  # fmt: skip
+
+
+def read_results(work: Path) -> dict[str, Any]:
+    """Each stage's JSON (absent ones left out) and each stage's exit status and time."""
+    results: dict[str, Any] = {"stages": {}}
+    for name in STAGE_FILES:
+        status = work / f"{name}.status.json"
+        if status.is_file():
+            results["stages"][name] = json.loads(status.read_text())
+        data = work / f"{name}.json"
+        if data.is_file():
+            try:
+                results[name] = json.loads(data.read_text())
+            except json.JSONDecodeError as error:
+                results[name] = {"error": f"unreadable {data.name}: {error}"}
+    return results
+
+
+def number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def bench_table(report: dict[str, Any]) -> list[str]:
+    """One ``impasto bench`` report as Markdown rows (the one-process or the parallel form)."""
+    if "strategy" in report:
+        lines = ["| variant | strategy | step ms | img/s | speed-up |", "|---|---|---|---|---|"]
+        for row in report["rows"]:
+            lines.append(f"| {row['name']} | none x1 | {row['baseline_step_ms']:.1f} | - | 1.000 |")
+            lines.append(
+                f"| {row['name']} | {report['strategy']} x{report['world']} | "
+                f"{row['step_ms']:.1f} | {row['samples_per_s']:.2f} | {row['speedup']:.3f} |"
+            )
+        return lines
+    lines = [
+        f"{report['model']} at {report['resolution']}², batch {report['batch']}, "
+        f"{report['precision']}, {report['device']}; {report['tflop_per_image']:.3g} TFLOP per "
+        f"image; median of {report['rounds']} interleaved rounds of {report['steps']} steps",
+        "",
+        "| variant | step ms | rounds (ms) | img/s | TFLOP/s | MFU | peak GiB | vs diffusers |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        if row.get("error"):
+            lines.append(f"| {row['name']} | {row['error']} | | | | | | |")
+            continue
+        spread = ", ".join(f"{value:.1f}" for value in row.get("rounds_ms") or [])
+        lines.append(
+            f"| {row['name']} | {row['step_ms']:.1f} | {spread} | {row['images_per_s']:.2f} | "
+            f"{number(row['tflops'], '.1f')} | {number(row['mfu'], '.1%')} | "
+            f"{number(row['peak_memory_gib'], '.2f')} | {row['vs_diffusers']:.3f} |"
+        )
+    return lines
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = ["# GPU campaign results", ""]
+    lines += ["| stage | exit | seconds |", "|---|---|---|"]
+    for name, status in results["stages"].items():
+        lines.append(f"| {name} | {status['exit']} | {status['seconds']} |")
+    if "ceilings" in results:
+        ceilings = results["ceilings"]
+        lines += [
+            "",
+            f"Ceilings on {ceilings['device']} (torch {ceilings['torch']}): bf16 "
+            f"{ceilings['bf16_matmul']['size']}³ matmul {ceilings['bf16_matmul']['tflops']:.1f} "
+            f"TFLOP/s, fp32 {ceilings['fp32_matmul_tf32_off']['tflops']:.1f} TFLOP/s, copy "
+            f"{ceilings['copy']['gbps']:.0f} GB/s (read + write).",
+        ]
+    if "tests" in results:
+        lines += ["", f"CUDA tests: {results['tests'].get('summary', '?')}"]
+    for name in ("sdxl-512", "sdxl-1024", "sdxl-1024-compile", "sdxl-1024-memory", "fsdp"):
+        if name in results and "rows" in results[name]:
+            lines += ["", f"## {name}", "", *bench_table(results[name])]
+    if "draftp" in results and "steps" in results["draftp"]:
+        draftp = results["draftp"]
+        lines += [
+            "",
+            f"## draftp at {draftp['resolution']}², {draftp['sampler_steps']} sampler "
+            "steps, LoRA 32, K=1",
+            "",
+            "| step | s | peak GiB |",
+            "|---|---|---|",
+        ]
+        for step in draftp["steps"]:
+            memory = step.get("peak_memory_gib", step.get("peak_rss_gib"))
+            lines.append(f"| {step['step']} | {step['step_time']:.2f} | {number(memory, '.2f')} |")
+    if "cache" in results:
+        cache = results["cache"]
+        lines += [
+            "",
+            f"Cache fill at {cache['resolution']}²: {cache['images']} images, "
+            f"{number(cache.get('images_per_s'), '.1f')} img/s.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    results = read_results(args.work)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    text = markdown(results)
+    (args.out / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

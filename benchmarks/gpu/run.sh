@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# The GPU campaign in one command (issues #19, #14, #15): what a session with the lent GPU runs.
+#
+#   bash benchmarks/gpu/run.sh STAGE [STAGE ...]
+#
+# Stages, each within one 10-minute device command when run alone (benchmarks/gpu/README.md):
+#   env        nvidia-smi, torch, impasto doctor
+#   ceilings   bf16 matmul TFLOP/s and device copy GB/s of this card (ceilings.py)
+#   tests      the CUDA tests (those that skip on a CPU)
+#   sdxl-512   impasto bench --model sdxl at 512²: the diffusers step and the core variants
+#   sdxl-1024  the same at 1024²
+#   sdxl-1024-compile   the diffusers step, compile (regional), compile_unet, cuda_graphs
+#   sdxl-1024-memory    the diffusers step, adafactor, offload, adamw_8bit (fetch_wheels --bnb)
+#   fsdp       parallel.strategy fsdp on 1 rank (NCCL) against none, sdxl at 1024² (#14)
+#   draftp     DRaFT+ steps of sdxl at 1024², LoRA 32, K=1, checkpointing: time, memory (#15)
+#   cache      impasto cache: VAE latents of 1024² images, img/s
+#
+# On the device (first, here: bash benchmarks/gpu/fetch_wheels.sh):
+#   run(command="bash benchmarks/gpu/run.sh env ceilings tests sdxl-512", carry=[".whl"])
+# Every stage adds its numbers to $OUT/results.json and the table $OUT/results.md (report.py)
+# and its output to $OUT/log.txt; a failed stage is recorded and the next one runs.
+#
+# DRY_RUN=1 runs every stage on this machine's CPU with the tiny model and few steps: it checks
+# the plumbing (CI does: tests/test_gpu_script.py), so that device time goes to measuring.
+# Knobs (environment): BATCH_512, BATCH_1024, STEPS, WARMUP, ROUNDS, VARIANTS,
+# COMPILE_VARIANTS, MEMORY_VARIANTS, PYTHON.
+set -uo pipefail
+
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+OUT="${OUT:-$REPO/benchmarks/gpu/out}"
+WORK="${WORK:-/tmp/impasto-gpu}"
+PY="${PYTHON:-python3}"
+DRY_RUN="${DRY_RUN:-0}"
+mkdir -p "$OUT" "$WORK"
+LOG="$OUT/log.txt"
+
+if [[ "$DRY_RUN" == 1 ]]; then
+    MODEL=tiny; RES_LOW=64; RES_HIGH=64; BATCH_512="${BATCH_512:-2}"; BATCH_1024="${BATCH_1024:-2}"
+    STEPS="${STEPS:-2}"; WARMUP="${WARMUP:-1}"; ROUNDS="${ROUNDS:-1}"
+    VARIANTS="${VARIANTS:-default lora_r32}"; DRAFTP_STEPS=4; CACHE_IMAGES=8
+    COMPILE_VARIANTS="${COMPILE_VARIANTS:-compile}"; MEMORY_VARIANTS="${MEMORY_VARIANTS:-adafactor}"
+else
+    MODEL=sdxl; RES_LOW=512; RES_HIGH=1024; BATCH_512="${BATCH_512:-16}"
+    BATCH_1024="${BATCH_1024:-4}"; STEPS="${STEPS:-10}"; WARMUP="${WARMUP:-3}"
+    ROUNDS="${ROUNDS:-2}"; DRAFTP_STEPS=40; CACHE_IMAGES=256
+    VARIANTS="${VARIANTS:-default channels_last fused pure_bf16 checkpointing low_memory lora_r32}"
+    COMPILE_VARIANTS="${COMPILE_VARIANTS:-compile compile_unet cuda_graphs}"
+    MEMORY_VARIANTS="${MEMORY_VARIANTS:-adafactor offload adamw_8bit}"
+fi
+
+setup() {
+    # The carried wheels (fetch_wheels.sh) into a folder of their own; impasto from this tree.
+    local site="$WORK/site"
+    if compgen -G "$REPO/.whl/*.whl" >/dev/null && [[ ! -d "$site" ]]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$site" "$REPO"/.whl/*.whl || return 1
+    fi
+    export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
+    [[ -d "$site" ]] && export PYTHONPATH="$PYTHONPATH:$site"
+    export PYTHONUNBUFFERED=1
+    [[ "$DRY_RUN" == 1 ]] && export OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=""
+    "$PY" -c "import impasto, diffusers, pydantic" || {
+        echo "run.sh: impasto cannot be imported; carry the wheels (fetch_wheels.sh)"; return 1; }
+}
+
+impasto() { "$PY" -m impasto "$@"; }
+
+stage_env() {
+    { nvidia-smi || true; "$PY" -c "import torch; print('torch', torch.__version__, \
+'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name() if torch.cuda.is_available() \
+else 'cpu')"; impasto doctor; } > "$WORK/env.txt" 2>&1
+    cat "$WORK/env.txt"
+    "$PY" - "$WORK/env.txt" > "$WORK/env.json" <<'PYEOF'
+import json, sys
+print(json.dumps({"text": open(sys.argv[1]).read()[-4000:]}))
+PYEOF
+}
+
+stage_ceilings() { "$PY" "$REPO/benchmarks/gpu/ceilings.py" --json "$WORK/ceilings.json"; }
+
+stage_tests() {
+    # The tests that need CUDA skip on a CPU; these files hold them (and their CPU twins).
+    local files
+    files=$(grep -l "cuda.is_available" "$REPO"/tests/test_*.py | tr '\n' ' ')
+    (cd "$REPO" && "$PY" -m pytest -q -rs -p no:cacheprovider $files) 2>&1 | tee "$WORK/tests.txt"
+    local status=${PIPESTATUS[0]}
+    "$PY" - "$WORK/tests.txt" "$status" > "$WORK/tests.json" <<'PYEOF'
+import json, sys
+lines = open(sys.argv[1]).read().splitlines()
+summary = next((l for l in reversed(lines) if " passed" in l or " failed" in l), "")
+skipped = [l for l in lines if l.startswith("SKIPPED")]
+print(json.dumps({"summary": summary.strip("= "), "exit": int(sys.argv[2]), "skipped": skipped}))
+PYEOF
+    return "$status"
+}
+
+bench() {  # bench NAME RESOLUTION BATCH [extra args]
+    local name=$1 resolution=$2 batch=$3
+    shift 3
+    # shellcheck disable=SC2086  # VARIANTS is a list of words
+    impasto bench --model "$MODEL" --resolution "$resolution" --batch "$batch" \
+        --steps "$STEPS" --warmup "$WARMUP" --rounds "$ROUNDS" --precision bf16 "$@" \
+        --json > "$WORK/$name.json" || return 1
+    "$PY" -c "import json, sys; from impasto.bench import format_report; \
+print(format_report(json.load(open(sys.argv[1]))))" "$WORK/$name.json"
+}
+
+stage_sdxl_512() { bench sdxl-512 "$RES_LOW" "$BATCH_512" --variants $VARIANTS; }
+stage_sdxl_1024() { bench sdxl-1024 "$RES_HIGH" "$BATCH_1024" --variants $VARIANTS; }
+stage_sdxl_1024_compile() {
+    bench sdxl-1024-compile "$RES_HIGH" "$BATCH_1024" --variants $COMPILE_VARIANTS
+}
+stage_sdxl_1024_memory() {
+    bench sdxl-1024-memory "$RES_HIGH" "$BATCH_1024" --variants $MEMORY_VARIANTS
+}
+stage_fsdp() { bench fsdp "$RES_HIGH" "$BATCH_1024" --parallel fsdp --nproc 1 --variants default; }
+
+stage_draftp() {
+    local run="$WORK/draftp-run" size="$RES_HIGH"
+    rm -rf "$run"
+    if [[ "$DRY_RUN" == 1 ]]; then
+        "$PY" "$REPO/benchmarks/gpu/make_reward.py" "$WORK/pickscore" --tiny || return 1
+    else
+        "$PY" "$REPO/benchmarks/gpu/make_reward.py" "$WORK/pickscore" || return 1
+    fi
+    printf '%s\n' "a photo of an astronaut riding a horse" "a watercolor lighthouse at dawn" \
+        "an old fisherman, dramatic light" > "$WORK/prompts.txt"
+    impasto train "$REPO/configs/sdxl-draftp.yaml" --no-resume \
+        --set model.preset="$MODEL" --set reward.path="$WORK/pickscore" \
+        --set data.prompts="$WORK/prompts.txt" --set data.resolution="$size" \
+        --set draftp.num_steps="$DRAFTP_STEPS" --set train.max_steps=3 \
+        --set train.output_dir="$run" --set sample.every_steps=0 \
+        --set checkpoint.save_final=false --set log.every_steps=1 \
+        --set log.progress_bar=false --set log.tensorboard=false || return 1
+    "$PY" - "$run/metrics.jsonl" "$size" "$DRAFTP_STEPS" > "$WORK/draftp.json" <<'PYEOF'
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+keys = ("step", "step_time", "peak_memory_gib", "peak_rss_gib", "reward", "kl", "tflops")
+print(json.dumps({"resolution": int(sys.argv[2]), "sampler_steps": int(sys.argv[3]),
+                  "steps": [{k: r[k] for k in keys if k in r} for r in records if "loss" in r]}))
+PYEOF
+}
+
+stage_cache() {
+    local images="$WORK/cache-images" size="$RES_HIGH"
+    rm -rf "$images"
+    impasto data demo "$images" --num-images "$CACHE_IMAGES" --size "$size" >/dev/null || return 1
+    impasto cache "$REPO/configs/sdxl-lora.yaml" --set model.preset="$MODEL" \
+        --set data.path="$images" --set data.resolution="$size" \
+        --set cache.dir="$WORK/cache" --set train.output_dir="$WORK/cache-run" \
+        | tee "$WORK/cache.txt" || return 1
+    "$PY" - "$WORK/cache.txt" "$CACHE_IMAGES" "$size" > "$WORK/cache.json" <<'PYEOF'
+import json, re, sys
+text = open(sys.argv[1]).read()
+# "cache: N images; latents N encoded, ...; text M encoded, ... (S s)": latents and captions
+seconds = re.search(r"\(([0-9.]+) s\)", text)
+encoded = re.search(r"latents (\d+) encoded", text)
+count = int(encoded.group(1)) if encoded else int(sys.argv[2])
+rate = count / float(seconds.group(1)) if seconds and float(seconds.group(1)) > 0 else None
+print(json.dumps({"images": count, "resolution": int(sys.argv[3]), "text": text[-800:],
+                  "images_per_s": rate}))
+PYEOF
+}
+
+STAGES=(env ceilings tests sdxl-512 sdxl-1024 sdxl-1024-compile sdxl-1024-memory fsdp draftp cache)
+[[ $# -eq 0 ]] && { sed -n '2,26p' "$0"; exit 2; }
+[[ "$1" == all ]] && set -- "${STAGES[@]}"
+for stage in "$@"; do
+    [[ " ${STAGES[*]} " == *" $stage "* ]] || { echo "run.sh: unknown stage $stage; valid: ${STAGES[*]}"; exit 2; }
+done
+setup >>"$LOG" 2>&1 || { tail -5 "$LOG"; exit 1; }
+
+failed=0
+for stage in "$@"; do
+    echo "== $stage ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+    started=$SECONDS
+    "stage_${stage//-/_}" 2>&1 | tee -a "$LOG"
+    status=${PIPESTATUS[0]}
+    echo "{\"stage\": \"$stage\", \"exit\": $status, \"seconds\": $((SECONDS - started))}" \
+        > "$WORK/$stage.status.json"
+    [[ $status -eq 0 ]] || { failed=1; echo "run.sh: stage $stage failed ($status)" | tee -a "$LOG"; }
+done
+"$PY" "$REPO/benchmarks/gpu/report.py" "$WORK" --out "$OUT" | tee -a "$LOG"
+exit $failed

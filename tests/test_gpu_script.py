@@ -1,0 +1,69 @@
+"""``benchmarks/gpu/run.sh``, the GPU campaign's one command (issue #19), checked on this CPU:
+``DRY_RUN=1`` runs every stage with the tiny model, so a session with the lent GPU spends its
+device time measuring, not debugging the script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+
+import report  # noqa: E402  (benchmarks/gpu/report.py)
+
+
+def test_the_report_tables_every_row_and_a_variant_that_did_not_fit():
+    bench = {
+        "model": "sdxl", "resolution": 1024, "batch": 4, "precision": "bf16",
+        "device": "NVIDIA H100 80GB HBM3", "tflop_per_image": 7.2, "rounds": 2, "steps": 10,
+        "rows": [
+            {"name": "diffusers", "step_ms": 900.0, "rounds_ms": [899.0, 901.0],
+             "images_per_s": 4.44, "tflops": 32.0, "mfu": 0.0323, "peak_memory_gib": 61.2,
+             "vs_diffusers": 1.0, "error": None},
+            {"name": "fused", "step_ms": None, "images_per_s": None, "tflops": None,
+             "mfu": None, "peak_memory_gib": None, "vs_diffusers": None,
+             "error": "out of memory"},
+        ],
+    }  # fmt: skip
+    text = report.markdown(
+        {"stages": {"sdxl-1024": {"exit": 0, "seconds": 312}}, "sdxl-1024": bench}
+    )
+    assert "| sdxl-1024 | 0 | 312 |" in text
+    assert "| diffusers | 900.0 | 899.0, 901.0 | 4.44 | 32.0 | 3.2% | 61.20 | 1.000 |" in text
+    assert "| fused | out of memory |" in text
+
+
+@pytest.mark.slow
+def test_every_stage_runs_in_a_dry_run(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = os.environ | {"DRY_RUN": "1", "PYTHON": sys.executable, "OUT": str(out)}
+    env |= {"WORK": str(work), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        ["bash", str(REPO / "benchmarks/gpu/run.sh"), "all"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    stages = ["env", "ceilings", "tests", "sdxl-512", "sdxl-1024", "sdxl-1024-compile",
+              "sdxl-1024-memory", "fsdp", "draftp", "cache"]  # fmt: skip
+    assert list(results["stages"]) == stages
+    assert all(results["stages"][stage]["exit"] == 0 for stage in stages)
+    assert results["ceilings"]["copy"]["gbps"] > 0
+    assert " passed" in results["tests"]["summary"] and results["tests"]["exit"] == 0
+    names = [row["name"] for row in results["sdxl-512"]["rows"]]
+    assert names == ["diffusers", "default", "lora_r32"]
+    assert [row["name"] for row in results["sdxl-1024-compile"]["rows"]] == ["diffusers", "compile"]
+    assert results["fsdp"]["strategy"] == "fsdp" and results["fsdp"]["world"] == 1
+    steps = results["draftp"]["steps"]
+    assert [step["step"] for step in steps] == [1, 2, 3]
+    assert all(step["step_time"] > 0 and "reward" in step and "kl" in step for step in steps)
+    assert results["cache"]["images"] == 8 and results["cache"]["images_per_s"] > 0
+    text = (out / "results.md").read_text()
+    assert "## sdxl-1024-memory" in text and "## draftp at 64²" in text
+    assert sorted(path.name for path in out.iterdir()) == ["log.txt", "results.json", "results.md"]
