@@ -51,7 +51,7 @@ def test_every_stage_runs_in_a_dry_run(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     stages = ["env", "ceilings", "tests", "sdxl-512", "sdxl-1024", "sdxl-1024-compile",
-              "sdxl-1024-memory", "fsdp", "draftp", "cache"]  # fmt: skip
+              "sdxl-1024-memory", "fsdp", "draftp", "cache", "train-cached"]  # fmt: skip
     assert list(results["stages"]) == stages
     assert all(results["stages"][stage]["exit"] == 0 for stage in stages)
     assert results["ceilings"]["copy"]["gbps"] > 0
@@ -64,6 +64,8 @@ def test_every_stage_runs_in_a_dry_run(tmp_path):
     assert [step["step"] for step in steps] == [1, 2, 3]
     assert all(step["step_time"] > 0 and "reward" in step and "kl" in step for step in steps)
     assert results["cache"]["images"] == 8 and results["cache"]["images_per_s"] > 0
+    trained = results["train-cached"]
+    assert trained["steps"] == 4 and trained["step_time"] > 0 and 0 <= trained["data_wait"] < 1
     text = (out / "results.md").read_text()
     assert "## sdxl-1024-memory" in text and "## draftp at 64²" in text
     assert sorted(path.name for path in out.iterdir()) == ["log.txt", "results.json", "results.md"]

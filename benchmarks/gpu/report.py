@@ -13,7 +13,7 @@ from typing import Any
 
 STAGE_FILES = (
     "env", "ceilings", "tests", "sdxl-512", "sdxl-1024", "sdxl-1024-compile", "sdxl-1024-memory",
-    "fsdp", "draftp", "cache",
+    "fsdp", "draftp", "cache", "train-cached",
 )  # fmt: skip
 
 
@@ -107,6 +107,17 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"Cache fill at {cache['resolution']}²: {cache['images']} images, "
             f"{number(cache.get('images_per_s'), '.1f')} img/s.",
+        ]
+    if "train-cached" in results:
+        run = results["train-cached"]
+        lines += [
+            "",
+            f"configs/sdxl-lora.yaml on the cache at {run['resolution']}², median of steps "
+            f"{run['steps'] - run['measured_steps'] + 1}-{run['steps']}: "
+            f"{number(run['step_time'], '.3f')} s/step, "
+            f"{number(run['samples_per_s'], '.2f')} img/s, MFU {number(run['mfu'], '.1%')}, "
+            f"data wait {number(run['data_wait'], '.1%')}, peak "
+            f"{number(run['peak_memory_gib'], '.2f')} GiB.",
         ]
     return "\n".join(lines) + "\n"
 

@@ -14,6 +14,7 @@
 #   fsdp       parallel.strategy fsdp on 1 rank (NCCL) against none, sdxl at 1024² (#14)
 #   draftp     DRaFT+ steps of sdxl at 1024², LoRA 32, K=1, checkpointing: time, memory (#15)
 #   cache      impasto cache: VAE latents of 1024² images, img/s
+#   train-cached  configs/sdxl-lora.yaml trained on that cache: step time, MFU, data wait
 #
 # On the device (first, here: bash benchmarks/gpu/fetch_wheels.sh):
 #   run(command="bash benchmarks/gpu/run.sh env ceilings tests sdxl-512", carry=[".whl"])
@@ -23,7 +24,7 @@
 # DRY_RUN=1 runs every stage on this machine's CPU with the tiny model and few steps: it checks
 # the plumbing (CI does: tests/test_gpu_script.py), so that device time goes to measuring.
 # Knobs (environment): BATCH_512, BATCH_1024, STEPS, WARMUP, ROUNDS, VARIANTS,
-# COMPILE_VARIANTS, MEMORY_VARIANTS, PYTHON.
+# COMPILE_VARIANTS, MEMORY_VARIANTS, TRAIN_STEPS, PYTHON.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -37,12 +38,12 @@ LOG="$OUT/log.txt"
 if [[ "$DRY_RUN" == 1 ]]; then
     MODEL=tiny; RES_LOW=64; RES_HIGH=64; BATCH_512="${BATCH_512:-2}"; BATCH_1024="${BATCH_1024:-2}"
     STEPS="${STEPS:-2}"; WARMUP="${WARMUP:-1}"; ROUNDS="${ROUNDS:-1}"
-    VARIANTS="${VARIANTS:-default lora_r32}"; DRAFTP_STEPS=4; CACHE_IMAGES=8
+    VARIANTS="${VARIANTS:-default lora_r32}"; DRAFTP_STEPS=4; CACHE_IMAGES=8; TRAIN_STEPS=4
     COMPILE_VARIANTS="${COMPILE_VARIANTS:-compile}"; MEMORY_VARIANTS="${MEMORY_VARIANTS:-adafactor}"
 else
     MODEL=sdxl; RES_LOW=512; RES_HIGH=1024; BATCH_512="${BATCH_512:-16}"
     BATCH_1024="${BATCH_1024:-4}"; STEPS="${STEPS:-10}"; WARMUP="${WARMUP:-3}"
-    ROUNDS="${ROUNDS:-2}"; DRAFTP_STEPS=40; CACHE_IMAGES=256
+    ROUNDS="${ROUNDS:-2}"; DRAFTP_STEPS=40; CACHE_IMAGES=256; TRAIN_STEPS="${TRAIN_STEPS:-40}"
     VARIANTS="${VARIANTS:-default channels_last fused pure_bf16 checkpointing low_memory lora_r32}"
     COMPILE_VARIANTS="${COMPILE_VARIANTS:-compile compile_unet cuda_graphs}"
     MEMORY_VARIANTS="${MEMORY_VARIANTS:-adafactor offload adamw_8bit}"
@@ -162,8 +163,35 @@ print(json.dumps({"images": count, "resolution": int(sys.argv[3]), "text": text[
 PYEOF
 }
 
-STAGES=(env ceilings tests sdxl-512 sdxl-1024 sdxl-1024-compile sdxl-1024-memory fsdp draftp cache)
-[[ $# -eq 0 ]] && { sed -n '2,26p' "$0"; exit 2; }
+stage_train_cached() {
+    # configs/sdxl-lora.yaml as a user runs it, on the cache the cache stage filled: the step
+    # time, images/s, MFU and the fraction of time the step waited for data (#19 item 5).
+    [[ -d "$WORK/cache" ]] || stage_cache || return 1
+    local run="$WORK/train-cached-run"
+    rm -rf "$run"
+    impasto train "$REPO/configs/sdxl-lora.yaml" --no-resume --set model.preset="$MODEL" \
+        --set data.path="$WORK/cache-images" --set data.resolution="$RES_HIGH" \
+        --set cache.dir="$WORK/cache" --set train.output_dir="$run" \
+        --set train.max_steps="$TRAIN_STEPS" --set sample.every_steps=0 \
+        --set checkpoint.every_steps=100000 --set checkpoint.save_final=false \
+        --set log.every_steps=1 --set log.progress_bar=false --set log.tensorboard=false || return 1
+    "$PY" - "$run/metrics.jsonl" "$RES_HIGH" > "$WORK/train-cached.json" <<'PYEOF'
+import json, statistics, sys
+records = [json.loads(line) for line in open(sys.argv[1]) if '"loss"' in line]
+steady = records[len(records) // 4 :] or records  # past the warm-up (allocator, kernels)
+def median(key):
+    values = [r[key] for r in steady if key in r]
+    return statistics.median(values) if values else None
+print(json.dumps({"resolution": int(sys.argv[2]), "steps": len(records),
+                  "measured_steps": len(steady), "step_time": median("step_time"),
+                  "samples_per_s": median("samples_per_s"), "data_wait": median("data_wait"),
+                  "mfu": median("mfu"), "tflops": median("tflops"),
+                  "peak_memory_gib": median("peak_memory_gib")}))
+PYEOF
+}
+
+STAGES=(env ceilings tests sdxl-512 sdxl-1024 sdxl-1024-compile sdxl-1024-memory fsdp draftp cache train-cached)
+[[ $# -eq 0 ]] && { sed -n '2,27p' "$0"; exit 2; }
 [[ "$1" == all ]] && set -- "${STAGES[@]}"
 for stage in "$@"; do
     [[ " ${STAGES[*]} " == *" $stage "* ]] || { echo "run.sh: unknown stage $stage; valid: ${STAGES[*]}"; exit 2; }
