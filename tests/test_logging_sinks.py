@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,9 @@ def test_a_resumed_run_appends_to_its_wandb_run_after_the_checkpoint(
     log_some(first, range(1, 5))  # interrupted after step 4, its checkpoint at step 2
     first.close()
     run_id = (tmp_path / RUN_ID_FILE).read_text().strip()
+    # wandb names a session's folder by the second it started and the run id; two sessions of
+    # one run in one second (never a real resume) once lost the second one's run record.
+    time.sleep(1.1)
     resumed = MetricsLogger(tmp_path, False, False, 2, wandb=settings)
     resumed.log(2, {"loss": 9.0})  # at or before the checkpoint: not logged again
     log_some(resumed, range(3, 6))
