@@ -50,9 +50,13 @@ else
 fi
 
 setup() {
-    # The carried wheels (fetch_wheels.sh) into a folder of their own; impasto from this tree.
+    # The carried wheels (fetch_wheels.sh) into a folder of their own, where the packages are
+    # missing (the device image); impasto from this tree.
     local site="$WORK/site"
-    if compgen -G "$REPO/.whl/*.whl" >/dev/null && [[ ! -d "$site" ]]; then
+    if ! "$PY" -c "import diffusers, pydantic" 2>/dev/null && [[ ! -d "$site" ]]; then
+        compgen -G "$REPO/.whl/*.whl" >/dev/null || {
+            echo "run.sh: diffusers or pydantic missing and no wheels in .whl/: run"
+            echo "  bash benchmarks/gpu/fetch_wheels.sh here and carry .whl"; return 1; }
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target "$site" "$REPO"/.whl/*.whl || return 1
     fi
