@@ -8,10 +8,8 @@ checkpoint, so they equal what the run logged.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ from typing import Any
 from impasto.checkpoint.state import STATE_FILE, list_checkpoints
 from impasto.config.load import read_yaml
 from impasto.logging.metrics import METRICS_FILE
-from impasto.train.run_lock import LOCK_FILE, is_stale, read_holder
+from impasto.train.run_lock import is_locked
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -135,28 +133,6 @@ def _duration(seconds: float) -> str:
     seconds = round(seconds)
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
-
-
-def is_locked(run_dir: Path) -> bool:
-    """Whether a trainer holds the run's lock now: a shared ``flock`` that fails while the
-    trainer's exclusive one is held (released at once); where ``flock`` is missing, the
-    lock file's holder, if alive."""
-    path = run_dir / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:  # no flock here: the trainer's fallback wrote who holds it
-        holder = read_holder(path)
-        return bool(holder) and not is_stale(holder)
-    finally:
-        os.close(fd)
 
 
 def run_status(run_dir: Path, step: int, total_steps: int | None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from impasto.config.data import SourceConfig
 from impasto.config.section import MAX_STEPS, Int, Section, Seed
@@ -68,3 +68,14 @@ class EvalConfig(Section):
     batch_size: Int | None = Field(None, ge=1, le=4096, description="default: data.batch_size")
     seed: Seed = Field(0, description="the fixed noise and caption choices")
     sets: list[EvalSetConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _names_differ(self) -> EvalConfig:
+        names = [eval_set.name for eval_set in self.sets]
+        taken = sorted({"ema"} & set(names) | {name for name in names if names.count(name) > 1})
+        if taken:
+            raise ValueError(
+                f"eval.sets: name {taken[0]!r} is taken (the names must differ, and val/ema/ "
+                "holds the EMA weights' losses); rename the set"
+            )
+        return self

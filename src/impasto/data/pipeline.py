@@ -376,13 +376,6 @@ def held_out_sets(config: Any, split: list[ImageRecord], main: bool = True) -> l
     evaluation = config.eval
     if not evaluation.every_steps:
         return []
-    names = [eval_set.name for eval_set in evaluation.sets]
-    reserved = {"ema"} | {name for name in names if names.count(name) > 1}
-    if reserved & set(names):
-        raise ValueError(
-            f"eval.sets: name {sorted(reserved & set(names))[0]!r} is taken (the names must "
-            "differ, and val/ema/ holds the EMA weights' losses); rename the set"
-        )
     generate_missing_demo_sets(config, main)
     batch_size = evaluation.batch_size or config.data.batch_size
     sets = [held_out_set(config, None, split, batch_size)] if split else []

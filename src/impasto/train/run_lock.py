@@ -164,6 +164,28 @@ def is_stale(holder: dict[str, object]) -> bool:
     return False
 
 
+def is_locked(run_dir: Path) -> bool:
+    """Whether a trainer holds the run's lock now: a shared ``flock`` that fails while the
+    trainer's exclusive one is held (released at once); where ``flock`` is missing, the
+    lock file's holder, if alive."""
+    path = run_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:  # no flock here: the trainer's fallback wrote who holds it
+        holder = read_holder(path)
+        return bool(holder) and not is_stale(holder)
+    finally:
+        os.close(fd)
+
+
 def in_use_message(path: Path, holder: dict[str, object], fallback: bool = False) -> str:
     who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
     if holder.get("started"):
