@@ -65,13 +65,15 @@ def split_held_out(
     (:func:`record_identity`; a path it lacks is its own identity)."""
     if fraction <= 0:
         return list(records), []
+    threshold = fraction * 2**64  # as is_held_out, each image hashed once (repeats too)
     training, held_out, keys = [], {}, {}
     for record in records:
         name = str(record.image_path)
-        identity = identities.get(name, name)
-        if is_held_out(identity, seed, fraction):
-            held_out.setdefault(name, record)
+        if name not in keys:
+            identity = identities.get(name, name)
             keys[name] = (holdout_hash(identity, seed), identity)
+        if keys[name][0] < threshold:
+            held_out.setdefault(name, record)
         else:
             training.append(record)
     return training, [held_out[name] for name in sorted(held_out, key=keys.__getitem__)]

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+GIB = 2**30
 
-def peak_memory_gib(device: torch.device) -> float | None:
-    """The most memory PyTorch's allocator held on ``device`` since the last call (or the
-    start), in GiB; the peak is reset, so each logging step reports its own window. None on a
-    CPU. Reads allocator counters: no device sync."""
-    if device.type != "cuda":
-        return None
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """On CUDA, ``peak_memory_gib``: the most memory PyTorch's allocator held on ``device``
+    since the last call (or the start); the peak is then reset, so each logging step reports
+    its own window (allocator counters: no device sync). Elsewhere ``peak_rss_gib``: the most
+    resident memory the process has held since it started (``getrusage``; none on Windows)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / GIB
+        torch.cuda.reset_peak_memory_stats(device)
+        return {"peak_memory_gib": peak}
+    try:
+        import resource
+    except ImportError:
+        return {}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"peak_rss_gib": peak / (GIB if sys.platform == "darwin" else 2**20)}

@@ -1,5 +1,5 @@
-"""What the loop measures besides the loss (issue #18), cheaply: host timers, device sums
-and allocator counters, all read on logging steps only (no host sync on the others).
+"""What the loop measures besides the loss (issue #18), cheaply: host timers and device sums,
+read on logging steps only (no host sync on the others).
 
 Between two logging steps :class:`IntervalMeter` adds up the time the steps took, the part of
 it spent waiting for the next batch, and the ``(sum, count)`` metrics of the method (e.g. the
@@ -10,18 +10,12 @@ time over all the sessions of a run (resumes included).
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import Tensor
-
-from impasto.logging.system import peak_memory_gib
-
-GIB = 2**30
 
 
 class IntervalMeter:
@@ -74,22 +68,6 @@ def group_lrs(optimizer: Any) -> dict[str, float]:
     for number, group in enumerate(optimizer.param_groups):
         lrs.setdefault(str(group.get("name", number)), float(group["lr"]))
     return {f"lr/{name}": lr for name, lr in lrs.items()} if len(lrs) > 1 else {}
-
-
-def peak_memory(device: torch.device) -> dict[str, float]:
-    """On CUDA, ``peak_memory_gib``: the most memory tensors held on ``device`` since the last
-    call (:func:`~impasto.logging.system.peak_memory_gib`: the allocator's counter, then reset;
-    no sync; call it once per logging step). Elsewhere ``peak_rss_gib``: the most resident
-    memory the process has held since it started (``getrusage``; none on Windows)."""
-    peak = peak_memory_gib(device)
-    if peak is not None:
-        return {"peak_memory_gib": peak}
-    try:
-        import resource
-    except ImportError:
-        return {}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return {"peak_rss_gib": peak / (GIB if sys.platform == "darwin" else 2**20)}
 
 
 class TrainingClock:

@@ -31,6 +31,7 @@ from impasto.logging import MetricsLogger
 from impasto.logging.flops import FlopMeter, peak_tflops, tflops_and_mfu
 from impasto.logging.profiler import StepProfiler
 from impasto.logging.progress import RunProgress
+from impasto.logging.system import peak_memory
 from impasto.precision import resolve_device, resolve_precision
 from impasto.train.evaluation import build_evaluator, release_gathered
 from impasto.train.methods import DataNeeds, Rows
@@ -57,7 +58,6 @@ from impasto.train.step_metrics import (
     IntervalMeter,
     TrainingClock,
     group_lrs,
-    peak_memory,
     subset_means,
 )
 from impasto.train.summary import dataset_facts, report, run_clock, summary_lines
@@ -137,6 +137,7 @@ class Trainer:
             "start every rank with the same config file and overrides",
         )  # fmt: skip
         self.precision = precision = resolve_precision(config.train.mixed_precision, group.device)
+        self.peak_tflops = peak_tflops(group.device)  # for MFU (None: not a GPU we know)
         self.rng = RNGStreams(config.train.seed)
         self.setup = setup = build_step_setup(config, group.device, precision, group)
         images = setup.method.needs is DataNeeds.IMAGES_AND_CAPTIONS
@@ -392,7 +393,7 @@ class Trainer:
             "steps_skipped": state.steps_skipped,
         }
         if self.flop_meter is not None:  # this rank's FLOPs against one device's peak
-            values |= tflops_and_mfu(self.step_flops, step_time, peak_tflops(self.group.device))
+            values |= tflops_and_mfu(self.step_flops, step_time, self.peak_tflops)
         meter.reset()
         return values | peak_memory(self.group.device)
 
