@@ -11,7 +11,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from impasto.config.schema import ObjectiveConfig
+from impasto.config.objective import ObjectiveConfig
 from impasto.objectives.objective import Objective
 
 COLUMNS = ("t", "sigma", "snr", "prob", "weight")

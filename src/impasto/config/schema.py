@@ -5,7 +5,9 @@ silently ignored. Validation here is structural only (types, ranges, unknown key
 fields) and this package imports no other impasto package, so a bad key fails in a fraction of a
 second without torch (issue #13). Names that select code (a schedule, an optimizer, a sampler)
 are checked against the registries beside that code by :func:`impasto.train.checks.check_config`.
-The data sections (``data``, ``cache``) live in :mod:`impasto.config.data`.
+Sections with a module of their own in this package: ``data`` and ``cache`` (``data``),
+``objective``, ``memory`` and ``ema`` (``memory``), ``log`` and ``eval`` (``monitoring``),
+``draftp`` and ``reward`` (``draftp``), ``parallel``.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from impasto.config.data import CacheConfig, DataConfig
 from impasto.config.draftp import DraftpConfig, RewardConfig
+from impasto.config.memory import EmaConfig, MemoryConfig
 from impasto.config.monitoring import (  # noqa: F401  (ProfileConfig, WandbConfig: re-exported)
     EvalConfig,
     LogConfig,
     ProfileConfig,
     WandbConfig,
 )
+from impasto.config.objective import ObjectiveConfig
 from impasto.config.parallel import ParallelConfig
 from impasto.config.section import (
-    MAX_RESOLUTION,
     MAX_SAMPLER_STEPS,
     MAX_STEPS,
     Float,
@@ -37,10 +40,8 @@ from impasto.config.section import (
 )
 
 CONFIG_VERSION = 1
-FLOW = "flow"  # the prediction type of rectified flow (SD3 convention)
 
 # Upper bounds no real run reaches; each keeps an absurd value from torch (issue #16).
-MAX_TIMESTEPS = 10_000  # DDPM timesteps T (SDXL: 1000)
 MAX_LORA_RANK = 4096  # SDXL adapters use 4 to 256; 4096 is full rank for most of its layers
 MAX_EPOCHS = 10**6
 MAX_GRAD_ACCUM = 65536
@@ -75,134 +76,6 @@ class ModelConfig(Section):
                 "or a single-file .safetensors)"
             )
         return self
-
-
-class TimestepBiasConfig(Section):
-    """diffusers' timestep bias (DESIGN §5): P(t) ∝ multiplier on the biased steps, 1 elsewhere."""
-
-    strategy: Literal["none", "earlier", "later", "range"] = "none"
-    multiplier: Float = Field(1.0, description="must be > 0")
-    begin: Int = Field(0, ge=0, le=MAX_TIMESTEPS, description="range only")
-    end: Int | None = Field(
-        None, ge=1, le=MAX_TIMESTEPS, description="range only, exclusive; default T"
-    )
-    portion: Float = Field(0.25, gt=0, le=1, description="earlier / later: this fraction of T")
-
-
-class ObjectiveConfig(Section):
-    """The diffusion objective; each name is a registry key of :mod:`impasto.objectives`."""
-
-    method: str = Field(
-        "denoise", description="the training method (impasto.train.methods.METHODS)"
-    )
-    schedule: str = "scaled_linear"
-    num_train_timesteps: Int = Field(1000, ge=2, le=MAX_TIMESTEPS)
-    beta_start: Float = Field(0.00085, gt=0, lt=1)
-    beta_end: Float = Field(0.012, gt=0, lt=1)
-    zero_terminal_snr: bool = Field(False, description="Lin et al. 2023; needs v_prediction")
-    terminal_sigma: Float = Field(
-        20000.0, gt=0, le=1e8, description="stands in for ZTSNR's infinite σ"
-    )
-    prediction_type: str = Field(
-        "epsilon", description="epsilon, v_prediction, sample (x0) or flow (rectified flow)"
-    )
-    timestep_sampling: str = Field(
-        "uniform",
-        description="DDPM: uniform, timestep_bias; flow: uniform, logit_normal, mode, cosmap",
-    )
-    min_timestep: Int = Field(0, ge=0, le=MAX_TIMESTEPS, description="uniform: lowest t")
-    max_timestep: Int | None = Field(
-        None, ge=1, le=MAX_TIMESTEPS, description="uniform: exclusive; default T"
-    )
-    timestep_bias: TimestepBiasConfig = Field(default_factory=TimestepBiasConfig)
-    loss_weighting: str = "none"
-    min_snr_gamma: Float = Field(5.0, gt=0)
-    p2_gamma: Float = Field(1.0, gt=0)
-    noise_offset: Float = Field(0.0, ge=0, description="Guttenberg 2023; kohya suggests 0.1")
-    noise_offset_random_strength: bool = False
-    multires_noise_iterations: Int = Field(
-        0, ge=0, le=32, description="0: off; kohya suggests 6-10"
-    )
-    multires_noise_discount: Float = Field(0.3, gt=0, le=1)
-    input_perturbation: Float = Field(0.0, ge=0, description="Ning et al. 2023; 0.1 suggested")
-    input_perturbation_random_strength: bool = False
-    loss: str = "mse"
-    huber_schedule: str = "snr"
-    huber_c: Float = Field(0.1, gt=0, le=1)
-    logit_mean: Float = Field(0.0, description="flow, logit_normal: mean of logit(t)")
-    logit_std: Float = Field(1.0, gt=0, description="flow, logit_normal: std of logit(t)")
-    mode_scale: Float = Field(1.29, description="flow, mode: in [-1, 1.75]")
-    flow_shift: Float = Field(
-        1.0, gt=0, description="flow: t → s·t/(1 + (s − 1)·t), s > 1 towards noise; SD3: 3 at 1024²"
-    )
-    flow_shift_resolution: Int | None = Field(
-        None,
-        ge=8,
-        le=MAX_RESOLUTION,
-        description="flow: flow_shift holds at this side; other sizes scale it by "
-        "sqrt(H·W)/flow_shift_resolution (Esser et al. 2024); null: the same shift at every size",
-    )
-
-    @property
-    def is_flow(self) -> bool:
-        """Rectified flow (continuous t in (0, 1]) rather than a DDPM objective (integer t)."""
-        return self.prediction_type == FLOW
-
-    @model_validator(mode="after")
-    def _valid_combination(self) -> ObjectiveConfig:
-        flow = self.is_flow
-        if self.beta_end <= self.beta_start:
-            raise ValueError(
-                f"beta_end must be > beta_start, got {self.beta_end} <= {self.beta_start}"
-            )
-        if self.zero_terminal_snr and self.prediction_type != "v_prediction":
-            raise ValueError(
-                "zero_terminal_snr needs prediction_type: v_prediction (at SNR 0 the noise is "
-                f"the input itself, nothing to predict), got {self.prediction_type!r}"
-            )
-        T = self.num_train_timesteps
-        if not self.min_timestep < (self.max_timestep or T) <= T:
-            raise ValueError(
-                f"need 0 <= min_timestep < max_timestep <= {T}, got "
-                f"{self.min_timestep} and {self.max_timestep}"
-            )
-        bias = self.timestep_bias
-        if bias.multiplier <= 0:
-            raise ValueError(f"timestep_bias.multiplier must be > 0, got {bias.multiplier}")
-        if bias.strategy == "range" and not bias.begin < (bias.end or T) <= T:
-            raise ValueError(
-                f"timestep_bias: need begin < end <= {T}, got {bias.begin} and {bias.end}"
-            )
-        # Options of the other family must stay at their defaults (a dumped config has them all).
-        ddpm_only = ("min_timestep", "max_timestep", "timestep_bias")
-        flow_only = ("flow_shift", "flow_shift_resolution")
-        for field in ddpm_only if flow else flow_only:
-            if getattr(self, field) != type(self).model_fields[field].get_default(
-                call_default_factory=True
-            ):
-                other = "DDPM objectives (epsilon, v_prediction, sample)" if flow else "flow"
-                raise ValueError(
-                    f"{field} applies to {other} only, not prediction_type "
-                    f"{self.prediction_type}; remove it"
-                )
-        return self
-
-    def timestep_sampler_params(self) -> dict:
-        """Keyword arguments of ``TIMESTEP_SAMPLERS`` (flow: ``FLOW_TIME_SAMPLERS``) entries."""
-        if self.is_flow:
-            return {
-                "logit_normal": {"mean": self.logit_mean, "std": self.logit_std},
-                "mode": {"scale": self.mode_scale},
-            }.get(self.timestep_sampling, {})
-        if self.timestep_sampling == "timestep_bias":
-            return self.timestep_bias.model_dump()
-        return {"min_timestep": self.min_timestep, "max_timestep": self.max_timestep}
-
-    def loss_weighting_params(self) -> dict:
-        """Keyword arguments of ``LOSS_WEIGHTINGS[loss_weighting]``."""
-        return {"min_snr": {"gamma": self.min_snr_gamma}, "p2": {"gamma": self.p2_gamma}}.get(
-            self.loss_weighting, {}
-        )
 
 
 PartMode = Literal["full", "lora", "frozen"]
@@ -259,83 +132,6 @@ class OptimConfig(Section):
         if not all(0 <= b < 1 for b in value):
             raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
         return value
-
-
-BLOCK_NAME = r"^(down\.\d+|mid|up\.\d+)$"
-
-
-class MemoryConfig(Section):
-    """How the UNet step trades memory for speed (docs/speed-memory.md)."""
-
-    gradient_checkpointing: Literal["none", "all"] | list[str] = Field(
-        "none",
-        description="recompute activations in backward: none, all, or a list of UNet blocks "
-        "such as [down.1, mid, up.0]",
-    )
-    attention: Literal["sdpa", "flash", "efficient", "math"] = Field(
-        "sdpa",
-        description="scaled-dot-product attention kernel: sdpa lets PyTorch choose; flash / "
-        "efficient / math force one (an error where it cannot run)",
-    )
-    channels_last: bool = Field(False, description="UNet convolutions in NHWC memory format")
-    compile: Literal["none", "blocks", "unet"] = Field(
-        "none", description="torch.compile each UNet block (regional: fast to compile) or all"
-    )
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = Field(
-        "default", description="reduce-overhead uses CUDA graphs"
-    )
-    compile_backend: str = Field("inductor", description="torch.compile backend")
-    fused_backward: bool = Field(
-        False,
-        description="step each parameter in its gradient hook, so full gradients never coexist "
-        "(needs grad_accum_steps 1 and optim.max_grad_norm null)",
-    )
-    offload_blocks: bool = Field(
-        False, description="keep UNet blocks in CPU memory, streamed to the GPU when used"
-    )
-    resident_blocks: Int = Field(
-        0, ge=0, le=1024, description="offload: blocks that stay on the GPU"
-    )
-    vae_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="the VAE's weights (fp16 overflows in SDXL's VAE; not offered)"
-    )
-    frozen_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32",
-        description="weights nothing trains: frozen text encoders and the base weights under "
-        "LoRA adapters (bf16 halves them: SDXL's UNet 10.3 → 5.1 GB); needs "
-        "train.mixed_precision: bf16",
-    )
-
-    @field_validator("gradient_checkpointing")
-    @classmethod
-    def _block_names(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list):
-            bad = [name for name in value if not re.match(BLOCK_NAME, name)]
-            if bad:
-                raise ValueError(f"unknown UNet block {bad[0]!r}; name blocks down.N, mid or up.N")
-        return value
-
-
-class EmaConfig(Section):
-    """An exponential moving average of the trained weights (docs/speed-memory.md)."""
-
-    enabled: bool = False
-    decay: Float = Field(0.9999, ge=0, lt=1)
-    warmup: Literal["none", "power"] = Field(
-        "none", description="power: decay min(decay, 1 - (1 + t/inv_gamma)^-power) (k-diffusion)"
-    )
-    inv_gamma: Float = Field(1.0, gt=0)
-    power: Float = Field(2 / 3, gt=0)
-    update_every: Int = Field(
-        1, ge=1, le=MAX_STEPS, description="update every N steps (with decay^N)"
-    )
-    device: Literal["cpu", "same"] = Field(
-        "same",
-        description="where the fp32 shadow weights live: same (beside the weights: fast) or "
-        "cpu (saves GPU memory; each update copies the weights over PCIe, so raise "
-        "update_every)",
-    )
-    sample_with_ema: bool = Field(True, description="validation samples use the EMA weights")
 
 
 class TrainConfig(Section):

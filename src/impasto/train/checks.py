@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from impasto.config.load import ConfigError
-from impasto.config.schema import FLOW
+from impasto.config.objective import FLOW
 
 if TYPE_CHECKING:
     from impasto.config import Config

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from impasto.config.schema import MemoryConfig
+from impasto.config.memory import MemoryConfig
 from impasto.models.backbone import Backbone
 
 ContextFactory = Callable[[], AbstractContextManager]
