@@ -69,3 +69,26 @@ def test_every_stage_runs_in_a_dry_run(tmp_path):
     text = (out / "results.md").read_text()
     assert "## sdxl-1024-memory" in text and "## draftp at 64²" in text
     assert sorted(path.name for path in out.iterdir()) == ["log.txt", "results.json", "results.md"]
+
+
+def test_past_its_deadline_no_stage_starts_and_the_report_says_so(tmp_path):
+    """``DEADLINE_S``: a stage that would start after it is skipped (a command killed at the
+    device's 10-minute limit would bring back nothing of the stage it was in); the report
+    names it, and the earlier stages' results, written after each one, stay."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = os.environ | {"DRY_RUN": "1", "PYTHON": sys.executable, "OUT": str(out)}
+    env |= {"WORK": str(work), "OMP_NUM_THREADS": "1", "DEADLINE_S": "0"}
+    work.mkdir()
+    (work / "env.status.json").write_text('{"stage": "env", "exit": 0, "seconds": 3}')
+    done = subprocess.run(
+        ["bash", str(REPO / "benchmarks/gpu/run.sh"), "env", "ceilings"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "stage ceilings not started" in done.stdout
+    stages = json.loads((out / "results.json").read_text())["stages"]
+    assert stages == {
+        "env": {"stage": "env", "exit": 0, "seconds": 3},  # an earlier call's: kept
+        "ceilings": {"stage": "ceilings", "exit": "not started", "seconds": 0},
+    }
+    assert "| ceilings | not started | 0 |" in (out / "results.md").read_text()

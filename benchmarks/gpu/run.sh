@@ -17,14 +17,16 @@
 #   train-cached  configs/sdxl-lora.yaml trained on that cache: step time, MFU, data wait
 #
 # On the device (first, here: bash benchmarks/gpu/fetch_wheels.sh):
-#   run(command="bash benchmarks/gpu/run.sh env ceilings tests sdxl-512", carry=[".whl"])
+#   run(command="DEADLINE_S=330 bash benchmarks/gpu/run.sh env ceilings tests fsdp draftp sdxl-1024",
+#       carry=[".whl"], timeout_s=590)   (the plan for 15 minutes of device time: README.md)
 # Every stage adds its numbers to $OUT/results.json and the table $OUT/results.md (report.py)
 # and its output to $OUT/log.txt; a failed stage is recorded and the next one runs.
 #
 # DRY_RUN=1 runs every stage on this machine's CPU with the tiny model and few steps: it checks
 # the plumbing (CI does: tests/test_gpu_script.py), so that device time goes to measuring.
 # Knobs (environment): BATCH_512, BATCH_1024, STEPS, WARMUP, ROUNDS, VARIANTS,
-# COMPILE_VARIANTS, MEMORY_VARIANTS, TRAIN_STEPS, PYTHON.
+# COMPILE_VARIANTS, MEMORY_VARIANTS, TRAIN_STEPS, PYTHON, DEADLINE_S (start no stage after
+# this many seconds; the report is rewritten after every stage either way).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -202,8 +204,21 @@ for stage in "$@"; do
 done
 setup >>"$LOG" 2>&1 || { tail -5 "$LOG"; exit 1; }
 
+report() { "$PY" "$REPO/benchmarks/gpu/report.py" "$WORK" --out "$OUT"; }
+
 failed=0
 for stage in "$@"; do
+    if [[ -n "${DEADLINE_S:-}" && $SECONDS -ge $DEADLINE_S ]]; then
+        # Past the deadline no stage starts: a command killed at its limit brings back nothing
+        # of the stage it was in, so the ones that fit finish and are reported instead.
+        echo "run.sh: stage $stage not started: ${SECONDS} s used of DEADLINE_S=$DEADLINE_S" \
+            | tee -a "$LOG"
+        [[ -f "$WORK/$stage.status.json" ]] ||  # an earlier call's result of it stays
+            echo "{\"stage\": \"$stage\", \"exit\": \"not started\", \"seconds\": 0}" \
+                > "$WORK/$stage.status.json"
+        failed=1
+        continue
+    fi
     echo "== $stage ($(date -u +%H:%M:%S))" | tee -a "$LOG"
     started=$SECONDS
     "stage_${stage//-/_}" 2>&1 | tee -a "$LOG"
@@ -211,6 +226,7 @@ for stage in "$@"; do
     echo "{\"stage\": \"$stage\", \"exit\": $status, \"seconds\": $((SECONDS - started))}" \
         > "$WORK/$stage.status.json"
     [[ $status -eq 0 ]] || { failed=1; echo "run.sh: stage $stage failed ($status)" | tee -a "$LOG"; }
+    report >/dev/null 2>>"$LOG"  # results so far are in $OUT even if the command is killed later
 done
-"$PY" "$REPO/benchmarks/gpu/report.py" "$WORK" --out "$OUT" | tee -a "$LOG"
+report | tee -a "$LOG"
 exit $failed
