@@ -1,4 +1,4 @@
-"""Shared fixtures: a small generated image folder and a tiny-run config."""
+"""Shared fixtures: a small generated image folder, a tiny-run config and the trained demo."""
 
 from __future__ import annotations
 
@@ -38,3 +38,33 @@ def tiny_raw(demo_folder: Path, tmp_path: Path) -> dict[str, Any]:
         "checkpoint": {"every_steps": 5, "keep_last": 3},
         "log": {"every_steps": 1, "tensorboard": False, "progress_bar": False},
     }
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``configs/demo.yaml`` trained as ``impasto train configs/demo.yaml`` does (~8 minutes on
+    2 cores), once per session: tests/test_demo.py judges it and tests/test_draftp_demo.py
+    reward-tunes its checkpoint from half-way. Only the output and data folders move to a
+    temporary directory, and every checkpoint is kept (which changes nothing trained)."""
+    import time
+
+    from impasto.config import load_config
+    from impasto.train.trainer import train
+
+    out = tmp_path_factory.mktemp("demo")
+    config = load_config(
+        Path(__file__).parents[1] / "configs" / "demo.yaml",
+        [
+            f"train.output_dir={out / 'run'}",
+            f"data.path={out / 'data'}",
+            f"eval.sets=[{{name: demo-held-out, path: '{out / 'held-out'}'}}]",
+            "log.progress_bar=false",
+            "checkpoint.keep_last=6",
+        ],
+    )
+    assert config.train.max_steps == 6 * config.checkpoint.every_steps  # all six are kept
+    start = time.perf_counter()
+    result = train(config)
+    print(f"demo: trained {result.state.step} steps in {time.perf_counter() - start:.0f} s")
+    assert result.state.step == config.train.max_steps
+    return result.run_dir

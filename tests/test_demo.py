@@ -1,7 +1,7 @@
 """The demo: ``configs/demo.yaml`` trains on this CPU and its samples draw what the prompt asks.
 
-Trains the demo config exactly as ``impasto train configs/demo.yaml`` does (only the output and
-data folders moved to a temporary directory), then judges samples of every (colour, shape)
+Trains the demo config as ``impasto train configs/demo.yaml`` does (the ``demo_run`` fixture of
+conftest.py, shared with the DRaFT+ demo test), then judges samples of every (colour, shape)
 prompt with :mod:`impasto.demo_score`: a model-free measurement (foreground hue for the colour,
 fill ratio of the bounding box for the shape). Takes most of the suite's time (~8 minutes).
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -22,32 +21,12 @@ from impasto.config import load_config
 from impasto.data.demo import DEMO_COLORS, DEMO_SHAPES
 from impasto.demo_score import score_demo_checkpoint
 from impasto.sampling.grid import CellLabel, labelled_grid
-from impasto.train.trainer import train
 
 DEMO_CONFIG = Path(__file__).parents[1] / "configs" / "demo.yaml"
 DIGEST = hashlib.sha256(b"a purple triangle on a gray background").hexdigest()[:8]
 
 
 pytestmark = pytest.mark.slow  # trains the demo config (~7 min): `-m "not slow"` skips it
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("demo")
-    config = load_config(
-        DEMO_CONFIG,
-        [
-            f"train.output_dir={out / 'run'}",
-            f"data.path={out / 'data'}",
-            f"eval.sets=[{{name: demo-held-out, path: '{out / 'held-out'}'}}]",
-            "log.progress_bar=false",
-        ],
-    )
-    start = time.perf_counter()
-    result = train(config)
-    print(f"demo: trained {result.state.step} steps in {time.perf_counter() - start:.0f} s")
-    assert result.state.step == config.train.max_steps
-    return result.run_dir
 
 
 def test_demo_samples_follow_the_prompt(demo_run):
