@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,6 @@ from impasto.data.demo import DEMO_COLORS, DEMO_SHAPES
 from impasto.demo_score import score_demo_checkpoint
 from impasto.sampling.grid import CellLabel, labelled_grid
 
-DEMO_CONFIG = Path(__file__).parents[1] / "configs" / "demo.yaml"
 DIGEST = hashlib.sha256(b"a purple triangle on a gray background").hexdigest()[:8]
 
 

@@ -206,6 +206,17 @@ setup >>"$LOG" 2>&1 || { tail -5 "$LOG"; exit 1; }
 
 report() { "$PY" "$REPO/benchmarks/gpu/report.py" "$WORK" --out "$OUT"; }
 
+run_stage() {  # run_stage NAME: its output to the log, its exit status and time to WORK
+    local stage=$1 started=$SECONDS status
+    echo "== $stage ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+    "stage_${stage//-/_}" 2>&1 | tee -a "$LOG"
+    status=${PIPESTATUS[0]}
+    echo "{\"stage\": \"$stage\", \"exit\": $status, \"seconds\": $((SECONDS - started))}" \
+        > "$WORK/$stage.status.json"
+    [[ $status -eq 0 ]] || echo "run.sh: stage $stage failed ($status)" | tee -a "$LOG"
+    return "$status"
+}
+
 failed=0
 for stage in "$@"; do
     if [[ -n "${DEADLINE_S:-}" && $SECONDS -ge $DEADLINE_S ]]; then
@@ -217,16 +228,11 @@ for stage in "$@"; do
             echo "{\"stage\": \"$stage\", \"exit\": \"not started\", \"seconds\": 0}" \
                 > "$WORK/$stage.status.json"
         failed=1
-        continue
+    else
+        run_stage "$stage" || failed=1
     fi
-    echo "== $stage ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-    started=$SECONDS
-    "stage_${stage//-/_}" 2>&1 | tee -a "$LOG"
-    status=${PIPESTATUS[0]}
-    echo "{\"stage\": \"$stage\", \"exit\": $status, \"seconds\": $((SECONDS - started))}" \
-        > "$WORK/$stage.status.json"
-    [[ $status -eq 0 ]] || { failed=1; echo "run.sh: stage $stage failed ($status)" | tee -a "$LOG"; }
     report >/dev/null 2>>"$LOG"  # results so far are in $OUT even if the command is killed later
 done
-report | tee -a "$LOG"
+tee -a "$LOG" < "$OUT/results.md"
 exit $failed
+
