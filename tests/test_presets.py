@@ -4,7 +4,9 @@ give, and the `--set` lines that point it at a user's model and data resolve as 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -48,7 +50,8 @@ def test_the_set_lines_point_the_preset_at_the_users_model(name: str):
         overrides = [args[i + 1] for i, arg in enumerate(args) if arg == "--set"]
         assert any(o.startswith("model.path=") for o in overrides)
         config = load_config(CONFIGS / name, overrides)
-        expected = dict(o.split("=", 1) for o in overrides)
+        # --set paths are relative to the working directory (the file's to its folder)
+        expected = {k: os.path.abspath(v) for k, v in (o.split("=", 1) for o in overrides)}
         assert (config.model.preset, config.model.path) == (None, expected["model.path"])
         if "data.path" in expected:
             assert config.data.path == expected["data.path"]
@@ -59,13 +62,15 @@ def test_each_preset_trains_two_steps_on_the_tiny_model_as_its_comments_say(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     _, smoke = commented_commands(CONFIGS / name)
-    monkeypatch.chdir(tmp_path)  # the presets' relative data/ and runs/ land here
+    # As from the repository's root: the presets' ../data/ and ../runs/ land here.
+    shutil.copytree(CONFIGS, tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
     for args in smoke:
         if args[0] == "train":
             assert args[1] == f"configs/{name}"
-            args = ["train", str(CONFIGS / name), *args[2:]]
         assert main(args) == 0, args
-    config = load_config(CONFIGS / name, [a for a in smoke[-1] if "=" in a])
+    config = load_config(tmp_path / "configs" / name, [a for a in smoke[-1] if "=" in a])
+    assert Path(config.train.output_dir).parent == tmp_path / "runs"
     assert config.model.preset == "tiny"
     checkpoint = Path(config.train.output_dir) / "checkpoints" / "step-00000002"
     state = json.loads((checkpoint / "state.json").read_text())

@@ -16,16 +16,19 @@ from impasto.config import Config
 from impasto.train.checks import check_config
 
 
-def build_config(raw: dict[str, Any]) -> Config:
+def build_config(raw: dict[str, Any], base: str | Path | None = None) -> Config:
     """The validated :class:`Config` of a raw mapping; a :class:`ConfigError` lists every
-    problem, the structural ones first (the registry names are checked once those pass)."""
-    config = structure.build_config(raw)
+    problem, the structural ones first (the registry names are checked once those pass).
+    Relative paths are made absolute against ``base`` (default: the working directory)."""
+    config = structure.build_config(raw, base)
     check_config(config)
     return config
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
-    """The validated :class:`Config` of a YAML file with ``a.b=c`` overrides applied."""
+    """The validated :class:`Config` of a YAML file with ``a.b=c`` overrides applied; its
+    relative paths are relative to the file's folder, those of the overrides to the working
+    directory."""
     config = structure.load_config(path, overrides)
     check_config(config)
     return config

@@ -14,7 +14,9 @@ the documentation's examples, anchors and merge keys, limits at their bounds) st
 from __future__ import annotations
 
 import copy
+import os
 import re
+import subprocess
 import time
 import types
 import typing
@@ -326,8 +328,8 @@ def yaml_cases() -> list[Bad]:
             text="- model\n"),
         Bad("syntax", (("at line 3", "fix the YAML syntax"),),
             text="model:\n  preset: tiny\n data: [\n"),
-        Bad("empty-file", ("model: required key", "data: required key", "train: required key"),
-            text=""),
+        Bad("empty-file", ("config.yaml is empty: a config needs model, data and train",), text=""),
+        Bad("comments-only", ("config.yaml is empty: a config needs",), text="# model: ...\n\n"),
     ]  # fmt: skip
 
 
@@ -565,7 +567,8 @@ def test_anchors_merge_keys_and_limits_at_their_bounds_load(tmp_path: Path):
     path = tmp_path / "good.yaml"
     path.write_bytes(b"\xef\xbb\xbf" + GOOD_YAML.encode())  # with a UTF-8 byte-order mark
     config = impasto.load_config(path, ["train.output_dir=" + str(tmp_path / "run")])
-    assert [source.path for source in config.data.sources] == ["data/style", "data/other"]
+    expected = [str(tmp_path / "data/style"), str(tmp_path / "data/other")]  # beside the file
+    assert [source.path for source in config.data.sources] == expected
     assert [source.repeats for source in config.data.sources] == [2, 2]
     assert config.optim.lr == pytest.approx(1e-4)  # PyYAML reads 1e-4 as a string
     assert config.data.batch_size == 4 and isinstance(config.data.batch_size, int)
@@ -585,3 +588,42 @@ def test_output_dir_that_is_a_folder_or_missing_loads(tmp_path: Path):
     (tmp_path / "run").mkdir()
     raw["cache"] = {"dir": str(tmp_path / "new" / "cache")}
     assert impasto.build_config(raw).train.output_dir == str(tmp_path / "run")
+
+
+def test_an_output_dir_the_run_cannot_create_is_one_line_naming_the_key(tmp_path: Path, capsys):
+    """A read-only mount (a tmpfs; needs root, as in CI's container) and a folder this user may
+    not write to (os.access says no; root may write anywhere, so it is simulated)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(base_raw(tmp_path)), encoding="utf-8")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
+                             capture_output=True)  # fmt: skip
+    if mounted.returncode:
+        pytest.skip("cannot mount a tmpfs here (not root); the os.access case below runs")
+    try:
+        assert main(["train", str(config), "--set", f"train.output_dir={read_only}/run"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"impasto: error: train.output_dir: cannot create {read_only}/run: read-only file "
+            f"system ({read_only}); choose a folder you can write to"
+        ]
+    finally:
+        subprocess.run(["umount", str(read_only)], check=False)
+
+
+def test_an_output_dir_without_write_permission_is_one_line(tmp_path: Path, capsys, monkeypatch):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(base_raw(tmp_path)), encoding="utf-8")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode)
+    )
+    assert main(["train", str(config), "--set", f"train.output_dir={locked}/run"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"impasto: error: train.output_dir: cannot create {locked}/run: permission denied "
+        f"({locked}); choose a folder you can write to"
+    ]
+    assert main(["train", str(config), "--set", f"train.output_dir={locked}"]) == 2
+    assert "train.output_dir: cannot write to" in capsys.readouterr().err

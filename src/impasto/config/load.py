@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from impasto.config.errors import ConfigError
+from impasto.config.paths import resolve_override, resolve_paths
 from impasto.config.schema import CONFIG_VERSION, Config
 from impasto.config.yaml_reader import parse_yaml
 
@@ -49,14 +50,18 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text (line {line}); save it as UTF-8") from None
     raw = parse_yaml(text, str(path))
     if raw is None:
-        raw = {}
+        raise ConfigError(
+            f"{path} is empty: a config needs model, data and train sections; start from one of "
+            "the presets in configs/ (e.g. configs/demo.yaml)"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {_kind(raw)}")
     return raw
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
-    """Apply ``a.b=c`` in place; the value is parsed as YAML (so ``1e-4``, ``true``, ``[1, 2]``)."""
+    """Apply ``a.b=c`` in place; the value is parsed as YAML (so ``1e-4``, ``true``, ``[1, 2]``)
+    and its paths are relative to the working directory, as on any command line."""
     key, sep, text = assignment.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -64,7 +69,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     parts = key.split(".")
     if not all(parts):
         raise ConfigError(f"--set {key}: empty part in the dotted key; write e.g. optim.lr=1e-4")
-    value = parse_yaml(text, f"--set {key}", key)
+    value = resolve_override(parts, parse_yaml(text, f"--set {key}", key), Config, Path.cwd())
     node = raw
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
@@ -93,12 +98,18 @@ def migrate(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def build_config(raw: dict[str, Any]) -> Config:
+def build_config(raw: dict[str, Any], base: str | Path | None = None) -> Config:
+    """The validated :class:`Config` of a raw mapping, its relative paths (those of the
+    defaults too, such as ``train.output_dir``) made absolute against ``base`` (default: the
+    working directory; :mod:`impasto.config.paths`)."""
     raw = migrate(dict(raw))
     try:
-        return Config.model_validate(raw)
+        config = Config.model_validate(raw)
     except ValidationError as error:
         raise ConfigError("\n".join(_describe_all(error))) from None
+    base = Path.cwd() if base is None else Path(base).absolute()
+    resolved = resolve_paths(config_to_dict(config), Config, base)
+    return config if resolved == config_to_dict(config) else Config.model_validate(resolved)
 
 
 # Keys that name the same thing two ways: setting one with --set drops the other from the file,
@@ -107,13 +118,15 @@ ALTERNATIVES = {"model.path": "model.preset", "model.preset": "model.path"}
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
+    """The config of a YAML file with ``a.b=c`` overrides applied; the file's relative paths
+    are relative to its folder, those of the overrides to the working directory."""
     raw = read_yaml(path)
     for assignment in overrides:
         apply_override(raw, assignment)
         key = assignment.partition("=")[0].strip()
         if key in ALTERNATIVES and raw["model"][key.split(".")[1]] is not None:
             raw["model"].pop(ALTERNATIVES[key].split(".")[1], None)
-    return build_config(raw)
+    return build_config(raw, base=Path(path).absolute().parent)
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
@@ -130,16 +143,47 @@ def config_hash(config: Config) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ, as ``key: old -> new`` lines."""
-    lines = []
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ, as ``key: old -> new`` lines; absolute paths that all
+    changed by one move of a folder (a project moved with its config) are one line."""
+    changes = _changes(old, new, "")
+    moves = {key: _moved_root(a, b) for key, a, b in changes}
+    roots = {root for root in moves.values() if root is not None}
+    if len(roots) != 1:
+        return [f"{key}: {a!r} -> {b!r}" for key, a, b in changes]
+    (old_root, new_root), keys = roots.pop(), [key for key, root in moves.items() if root]
+    rest = [f"{key}: {a!r} -> {b!r}" for key, a, b in changes if moves[key] is None]
+    return [f"paths moved from {old_root} to {new_root} ({', '.join(keys)})", *rest]
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[tuple[str, Any, Any]]:
+    found = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            lines += config_diff(a, b, f"{prefix}{key}.")
+            found += _changes(a, b, f"{prefix}{key}.")
         elif a != b:
-            lines.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return lines
+            found.append((f"{prefix}{key}", a, b))
+    return found
+
+
+def _moved_root(old: Any, new: Any) -> tuple[str, str] | None:
+    """``(old folder, new folder)`` when the absolute paths ``old`` and ``new`` differ only
+    in the folder before a common tail (``/a/data/x`` -> ``/b/data/x``: ``/a``, ``/b``)."""
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return None
+    a, b = Path(old), Path(new)
+    if not (a.is_absolute() and b.is_absolute()):
+        return None
+    common = 0  # the number of trailing parts the two share
+    while (
+        common < min(len(a.parts), len(b.parts)) - 1
+        and a.parts[-1 - common] == b.parts[-1 - common]
+    ):
+        common += 1
+    if not common:
+        return None
+    return str(Path(*a.parts[:-common])), str(Path(*b.parts[:-common]))
 
 
 def _describe_all(error: ValidationError) -> list[str]:

@@ -193,7 +193,7 @@ class SampleConfig(Section):
     prompts_file: PathStr | None = Field(
         None,
         description="more prompts, one per line after sample.prompts, with kohya's per-prompt "
-        "options --n --w --h --s --d --l (docs/sampling.md); relative to the working directory",
+        "options --n --w --h --s --d --l (docs/sampling.md)",
     )
     negative_prompt: str = ""
     images_per_prompt: Int = Field(1, ge=1, le=MAX_IMAGES_PER_PROMPT)

@@ -62,8 +62,19 @@ Float = Annotated[float, BeforeValidator(_not_a_bool)]
 Seed = Annotated[Int, Field(ge=0, le=SEED_MAX)]
 """A seed of torch's and numpy's generators: 0 .. 2**32 - 1."""
 
-PathStr = Annotated[str, Field(min_length=1)]
-"""A file or folder path: an empty one would silently mean the working directory."""
+
+class _PathMark:
+    """Marks the config fields that hold a path (:mod:`impasto.config.paths` resolves them)."""
+
+    def __repr__(self) -> str:
+        return "PATH_MARK"
+
+
+PATH_MARK = _PathMark()
+
+PathStr = Annotated[str, Field(min_length=1), PATH_MARK]
+"""A file or folder path: an empty one would silently mean the working directory. A relative
+one is made absolute when the config loads (:mod:`impasto.config.paths`)."""
 
 Resolution = Annotated[Int, Field(ge=8, le=MAX_RESOLUTION), AfterValidator(_multiple_of_8)]
 """An image side in pixels: a multiple of 8 (the VAE's downsampling), at most 16384."""

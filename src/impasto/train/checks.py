@@ -12,6 +12,7 @@ from ``mkdir`` once the run has started (issue #16).
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,7 +74,8 @@ def compile_problems(memory: MemoryConfig) -> list[str]:
 
 def folder_problems(config: Config) -> list[str]:
     """Folders the run creates or fills that cannot be folders: an existing file at the path,
-    or a file where one of its parents should be (mkdir would raise a traceback mid-run)."""
+    or a file where one of its parents should be (mkdir would raise a traceback mid-run); and
+    an output folder the run cannot create or write to (issue #29)."""
     folders = {
         "train.output_dir": config.train.output_dir,
         "cache.dir": config.cache.dir,
@@ -84,6 +86,10 @@ def folder_problems(config: Config) -> list[str]:
         problem = folder and _folder_problem(folder)
         if problem:
             problems.append(f"{key}: {problem}, got {folder!r}; choose another folder")
+        elif folder and key == "train.output_dir":  # a cache may be shared read-only
+            problem = _unwritable(Path(folder))
+            if problem:
+                problems.append(f"{key}: {problem}; choose a folder you can write to")
     return problems
 
 
@@ -102,6 +108,24 @@ def _folder_problem(folder: str) -> str | None:
             return None
         where = "is an existing file" if candidate == path else f"{candidate} is a file"
         return f"{where}, not a folder"
+    return None
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why the run could not create ``path`` or write into it (its nearest existing folder
+    is read-only or not writable by this user), or None. Known from the filesystem, without
+    creating anything: ``--print-config`` writes nothing."""
+    existing = next(folder for folder in (path, *path.parents) if folder.exists())
+    verb = "write to" if existing == path else "create"
+    where = "" if existing == path else f" ({existing})"
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return f"cannot {verb} {path}: read-only file system{where}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot {verb} {path}: permission denied{where}"
     return None
 
 
