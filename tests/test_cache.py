@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +21,11 @@ from impasto.cli import main
 from impasto.config import build_config
 from impasto.data import ImageCaptionDataset, Skipped, collate_examples, derive_seed
 from impasto.data import cache_fill as disk_cache
-from impasto.data.cache import ShardStore, ShardWriter, latent_key
+from impasto.data.cache import ShardStore, ShardWriter, latent_key, text_key
 from impasto.data.cache_fill import fill_cache, identify_images
 from impasto.data.captions import caption_tools_from
-from impasto.data.pipeline import load_records, place_in_buckets
+from impasto.data.pipeline import DataStream, load_records, place_in_buckets
+from impasto.data.skips import BadDataLog, text_embedding_name
 from impasto.models import build_backbone, encode_prompts
 from impasto.train.trainer import train
 
@@ -298,3 +301,59 @@ def test_repeated_records_are_hashed_once(tmp_path, folder, monkeypatch) -> None
     records, ids = identify_images(config, load_records(config))
     assert len(records) == 30 and len(calls) == 10
     assert ids[0] == ids[1] == ids[2] != ids[3] and records[2].size == (ids[2].height, ids[2].width)
+
+
+def rot_entry(shard: Path, name: str) -> None:
+    """Flip bytes inside entry ``name``'s tensor data, keeping the shard's size and times (bit
+    rot: the fill trusts the shard, the reader's checksum catches the entry)."""
+    data = bytearray(shard.read_bytes())
+    header_size = struct.unpack("<Q", data[:8])[0]
+    begin, _ = json.loads(data[8 : 8 + header_size])[name]["data_offsets"]
+    start = 8 + header_size + begin
+    data[start : start + 16] = bytes(byte ^ 0xFF for byte in data[start : start + 16])
+    stat = shard.stat()
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_damaged_text_entry_is_encoded_on_the_fly_and_reported_once(tmp_path, folder) -> None:
+    raw = raw_config(tmp_path, folder)
+    raw["data"].update(buckets="none", random_flip=False)
+    raw["cache"]["latents"] = "none"  # pixels decoded, text from the cache
+    config, _, records, _, encodings, _ = fill(raw)
+    caption = records[1].caption
+    name = f"{text_key(caption, encodings.text_fingerprint, 'float32')}.embeds"
+    rot_entry(encodings.store.shards[encodings.store.where[name]], name)
+    assert encodings.prompt("a caption never cached") is None  # missing is not damaged
+
+    dataset = ImageCaptionDataset(records, 64, "center", False, 3, cache=encodings)
+    damaged, clean = dataset[(0, 1)], dataset[(0, 2)]
+    assert damaged.prompt_embeds is None and clean.prompt_embeds is not None
+    assert clean.reencoded is None and damaged.reencoded.name == text_embedding_name(caption)
+    assert "fails its checksum" in damaged.reencoded.reason
+    assert "re-encoded on the fly" in damaged.reencoded.reason
+    batch = collate_examples([damaged, clean])
+    assert batch.size == 2 and batch.num_bad == 0 and batch.skipped == ()
+    assert batch.prompt_embeds is None  # the batch's text is encoded on the fly, as before
+    assert [item.name for item in batch.reencoded] == [text_embedding_name(caption)]
+
+    # Two epochs through the run's data stream: met twice, reported once, never counted bad.
+    log = BadDataLog(tmp_path / "bad-data.tsv")
+    stream = DataStream(config, records, cache=encodings, bad_data=log)
+    reencoded, num_bad, met = [], 0, 0
+    while stream.epoch < 2:
+        batch = next(stream)
+        reencoded += batch.reencoded
+        num_bad += batch.num_bad
+        met += caption in batch.captions and batch.prompt_embeds is None
+    assert met == 2 and num_bad == 0
+    assert [item.name for item in reencoded] == [text_embedding_name(caption)]
+    report = (tmp_path / "bad-data.tsv").read_text(encoding="utf-8").splitlines()
+    assert report == [f"{text_embedding_name(caption)}\t{reencoded[0].reason}"]
+
+
+def test_a_text_embedding_name_is_one_line_per_caption() -> None:
+    name = text_embedding_name('a "red"\tcube\nwith\u2028lines')
+    assert name == 'cached text embedding of caption "a \\"red\\"\\tcube\\nwith\\u2028lines"'
+    assert len(name.splitlines()) == 1 and "\t" not in name
+    assert text_embedding_name("") == 'cached text embedding of caption ""'

@@ -1,9 +1,9 @@
 """Reading finished (or running) runs back: ``impasto runs list | summary | plot``.
 
 Everything here reads what a run wrote and changes nothing: ``config.yaml`` (the resolved
-config), ``metrics.jsonl`` (one record per logged step), the checkpoints' ``state.json`` and the
-sample grids. The numbers a summary shows are those of ``metrics.jsonl`` and the newest
-checkpoint, so they equal what the run logged.
+config), ``metrics.jsonl`` (one record per logged step), the checkpoints' ``state.json``, the
+sample grids and the bad-data report ``bad-data.tsv``. The numbers a summary shows are those of
+``metrics.jsonl``, the newest checkpoint and the report, so they equal what the run logged.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from impasto.checkpoint.state import STATE_FILE, list_checkpoints
 from impasto.config.load import read_yaml
+from impasto.data.skips import BAD_DATA_FILE, BadDataCounts, count_bad_data
 from impasto.logging.metrics import METRICS_FILE
 from impasto.train.run_lock import is_locked
 
@@ -101,6 +102,7 @@ class RunSummary:
     val_key: str = "val/loss"  # val/loss, or the first named set's val/NAME/loss
     checkpoints: list[Path] = field(default_factory=list)
     grids: list[Path] = field(default_factory=list)
+    bad_data: BadDataCounts = BadDataCounts()  # the rows of bad-data.tsv, by kind
 
     def lines(self) -> list[str]:
         total = f"/{self.total_steps}" if self.total_steps else ""
@@ -126,7 +128,25 @@ class RunSummary:
             lines.append(f"  checkpoints: {names}")
         if self.grids:
             lines.append(f"  samples: {len(self.grids)} grids, newest {self.grids[-1]}")
+        if self.bad_data.num_left_out or self.bad_data.num_reencoded:
+            report = self.run_dir / BAD_DATA_FILE
+            lines.append(f"  bad data: {bad_data_text(self.bad_data)}; see {report}")
         return lines
+
+
+def bad_data_text(counts: BadDataCounts) -> str:
+    """``2 items left out, 1 text embedding re-encoded (damaged in the cache)``."""
+    parts = []
+    if counts.num_left_out:
+        parts.append(f"{_count(counts.num_left_out, 'item')} left out")
+    if counts.num_reencoded:
+        embeddings = _count(counts.num_reencoded, "text embedding")
+        parts.append(f"{embeddings} re-encoded (damaged in the cache)")
+    return ", ".join(parts)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _duration(seconds: float) -> str:
@@ -180,6 +200,7 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
         val_key=val_key,
         checkpoints=checkpoints,
         grids=grids,
+        bad_data=count_bad_data(run_dir / BAD_DATA_FILE),
     )
 
 

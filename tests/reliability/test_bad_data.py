@@ -36,11 +36,21 @@ from safetensors.torch import save_file
 
 from impasto.config import build_config
 from impasto.data import build_dataloader, scan_image_folder
+from impasto.data.cache import text_key
 from impasto.data.cache_fill import fill_cache, identify_images
 from impasto.data.pipeline import count_total_steps, place_in_buckets, prepare_run_data
 from impasto.data.records import NO_CAPTION, load_records
-from impasto.data.skips import error_reason
+from impasto.data.skips import (
+    BadDataCounts,
+    BadDataLog,
+    Reencoded,
+    Skipped,
+    count_bad_data,
+    error_reason,
+    text_embedding_name,
+)
 from impasto.models import build_backbone
+from impasto.runs import bad_data_text, summarize_run
 from impasto.train.state import TrainState
 from impasto.train.trainer import train
 
@@ -518,6 +528,69 @@ def test_a_rotten_entry_is_skipped_and_reported_then_encoded_again(tmp_path, dem
     _, third = fill()
     assert third.unchecked_shards == 1 and third.damaged_shards == []
     assert "1 shard(s) were written without checksums" in third.format()
+
+
+def rot_entry(shard: Path, name: str) -> None:
+    """Flip bytes inside one entry's tensor data, keeping the shard's size and times (bit rot:
+    the fill trusts the shard, training's checksum catches the entry)."""
+    data = bytearray(shard.read_bytes())
+    header_size = struct.unpack("<Q", data[:8])[0]
+    begin, _ = json.loads(data[8 : 8 + header_size])[name]["data_offsets"]
+    start = 8 + header_size + begin
+    data[start : start + 16] = bytes(byte ^ 0xFF for byte in data[start : start + 16])
+    stat = shard.stat()
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_rotten_text_embedding_is_reencoded_and_reported_once(tmp_path, demo_folder, capsys):
+    cache_dir = tmp_path / "cache"
+    raw = cache_config(demo_folder, tmp_path / "clean", cache_dir)
+    raw["train"]["max_steps"] = 8  # 16 images in batches of 4: two epochs
+    clean = train(build_config(raw))
+    config = build_config(raw)
+    records, ids = identify_images(config, load_records(config))
+    encodings, report = fill_cache(
+        config, build_backbone(config), records, ids, None, nullcontext, "None"
+    )
+    assert report.texts_encoded == 0  # the keys the runs read
+    caption = records[5].caption
+    name = f"{text_key(caption, encodings.text_fingerprint, 'float32')}.embeds"
+    rot_entry(encodings.store.shards[encodings.store.where[name]], name)
+
+    raw["train"]["output_dir"] = str(tmp_path / "damaged")
+    capsys.readouterr()
+    damaged = train(build_config(raw), run_summary=lambda run: summarize_run(run).lines())
+    out = capsys.readouterr().out
+    assert damaged.state.step == 8 and not damaged.interrupted
+    assert damaged.state.images_bad == 0  # trained on: no unusable image
+    rows = (damaged.run_dir / "bad-data.tsv").read_text(encoding="utf-8").splitlines()
+    assert len(rows) == 1  # met in both epochs, reported once
+    row_name, reason = rows[0].split("\t")
+    assert row_name == text_embedding_name(caption)
+    assert "fails its checksum; re-encoded on the fly" in reason
+    assert "the next `impasto cache` fill encodes it again" in reason
+    summary = "  bad data: 1 text embedding re-encoded (damaged in the cache)"
+    assert summary in out  # the end-of-run summary
+    assert summary in summarize_run(damaged.run_dir).lines()[-1]  # impasto runs summary
+    # What is trained is what encoding the caption afresh gives: the clean run's, up to
+    # float rounding (the caption's batch is encoded on the fly).
+    torch.testing.assert_close(losses(damaged.run_dir), losses(clean.run_dir), rtol=1e-4, atol=0)
+
+
+def test_the_reports_rows_are_counted_by_kind(tmp_path):
+    log = BadDataLog(tmp_path / "bad-data.tsv")
+    text = text_embedding_name("a\tcube")
+    log.record([Skipped(0, "a.png", "unreadable image"), Reencoded(1, text, "damaged: ...")])
+    log.record([Reencoded(2, text, "damaged: met again")])
+    assert len((tmp_path / "bad-data.tsv").read_text().splitlines()) == 2
+    counts = count_bad_data(tmp_path / "bad-data.tsv")
+    assert counts == BadDataCounts(num_left_out=1, num_reencoded=1)
+    assert bad_data_text(counts) == (
+        "1 item left out, 1 text embedding re-encoded (damaged in the cache)"
+    )
+    assert bad_data_text(BadDataCounts(3, 0)) == "3 items left out"
+    assert count_bad_data(tmp_path / "absent.tsv") == BadDataCounts()
 
 
 # --- loader workers and signals -------------------------------------------------------------

@@ -23,8 +23,9 @@ place, so a crash leaves no half-written shard under a shard's name, and any num
 read them while others add new ones. Every entry carries a crc32 (the shard's metadata): a fill
 checks each shard it does not know to be whole, and sets a damaged one (truncated, overwritten
 in place, rotten) aside as ``*.corrupt`` so that its entries are encoded again; training checks
-each entry it reads and skips, and reports, one that does not match, for the next fill to
-re-encode (:mod:`impasto.data.cache_shards` tells the whole story).
+each entry it reads and skips, and reports, one that does not match (a text embedding is
+encoded on the fly instead, and reported as re-encoded), for the next fill to re-encode
+(:mod:`impasto.data.cache_shards` tells the whole story).
 
 Hashing every image at every start would read the whole dataset, so content ids are memoised
 by ``(path, size, mtime_ns)`` (a record read through a ``blob`` by the blob's identity): a file
@@ -62,6 +63,9 @@ logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
 """Part of every key: raise it when what an entry means changes."""
+
+REENCODED = "re-encoded on the fly (the image is still trained on)"
+"""What training does with a damaged cached text embedding."""
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -242,14 +246,23 @@ class CachedEncodings:
             return f"cache entry has shape {tuple(mean.shape)}, expected {expected}"
         return mean, std
 
-    def prompt(self, caption: str) -> tuple[Tensor, Tensor] | None:
-        """``(prompt_embeds [77, D], pooled [P])`` of ``caption``, or None if not cached (or
-        damaged: the caption is then encoded on the fly, and the next fill encodes it again)."""
+    def prompt(self, caption: str) -> tuple[Tensor, Tensor] | str | None:
+        """``(prompt_embeds [77, D], pooled [P])`` of ``caption``; None if it is not cached; or,
+        when its entry is damaged (or its shard does not read), why: the caption is then
+        encoded on the fly all the same (the image is trained on), and the next fill encodes
+        it again. The reason is one line for the bad-data report."""
         key = text_key(caption, self.text_fingerprint, self.dtype)
         try:
             return self.store.get(f"{key}.embeds"), self.store.get(f"{key}.pooled")
-        except (KeyError, *SHARD_ERRORS):
+        except KeyError:
             return None
+        except DamagedEntry as error:
+            return f"damaged: {error}; {REENCODED}, the next `impasto cache` fill encodes it again"
+        except SHARD_ERRORS as error:
+            return (
+                f"damaged: cache shard unreadable ({error_reason(error)}); {REENCODED}, the "
+                "next `impasto cache` fill checks the shard again"
+            )
 
 
 def split_for_rank(items: Sequence, rank: int, world_size: int) -> list:

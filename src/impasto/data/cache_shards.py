@@ -12,9 +12,10 @@ Each shard is a safetensors file whose header metadata holds the shard format
   by that same fill, so training never sees them.
 - **reading** (training): every entry is checked as it is read. A mismatch (bit rot under an
   unchanged modification time) skips that example like an unreadable image, reported with the
-  reason, and deletes the shard's ``.verified`` file so that the next fill checks the shard,
-  sets it aside and encodes its entries again. The shard is not moved during the run: every
-  loader worker then reads the same entries, whatever their number.
+  reason (a text embedding is encoded on the fly instead, and reported as re-encoded), and
+  deletes the shard's ``.verified`` file so that the next fill checks the shard, sets it aside
+  and encodes its entries again. The shard is not moved during the run: every loader worker
+  then reads the same entries, whatever their number.
 
 Shards written before checksums (no format in their metadata) are still read, unchecked; the
 fill says how many there are (delete them, or the cache, to encode them again with checksums).
@@ -206,15 +207,20 @@ class ShardStore:
 
     def get(self, name: str) -> Tensor:
         """The stored tensor ``name``: KeyError if absent, :class:`DamagedEntry` if its bytes
-        fail their checksum (the shard is then checked by the next fill)."""
+        fail their checksum, one of :data:`SHARD_ERRORS` if its shard does not read (the shard
+        is then checked by the next fill)."""
         number = self.where[name]
-        if number not in self._handles:
-            handle = safe_open(str(self.shards[number]), "pt")
-            self._handles[number] = (handle, _stored_checksums(handle))
-        handle, sums = self._handles[number]
-        tensor = handle.get_tensor(name)
+        shard = self.shards[number]
+        try:
+            if number not in self._handles:
+                handle = safe_open(str(shard), "pt")
+                self._handles[number] = (handle, _stored_checksums(handle))
+            handle, sums = self._handles[number]
+            tensor = handle.get_tensor(name)
+        except SHARD_ERRORS:
+            forget_verified(shard)
+            raise
         if sums is not None and checksum(tensor) != sums.get(name):
-            shard = self.shards[number]
             forget_verified(shard)
             raise DamagedEntry(f"cache entry {name} in shard {shard.name} fails its checksum")
         return tensor

@@ -20,7 +20,7 @@ from impasto.data.captions import CaptionTools
 from impasto.data.folder import ImageRecord
 from impasto.data.sampler import BatchPosition
 from impasto.data.seeding import derive_seed
-from impasto.data.skips import Skipped, error_reason
+from impasto.data.skips import Reencoded, Skipped, error_reason, text_embedding_name
 from impasto.data.transforms import IMAGE_LOAD_ERRORS, get_crop_offsets
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ class Example:
         target_size: ``(height, width)`` of the training image (the square or the bucket).
         latent_mean, latent_std: the VAE posterior ``[C, h, w]`` from the cache, or None.
         prompt_embeds, pooled_prompt_embeds: the caption's encoding from the cache, or None.
+        reencoded: the caption's cached encoding was damaged (it is encoded on the fly, as one
+            that is not cached), or None.
     """
 
     pixel_values: torch.Tensor | None
@@ -58,6 +60,7 @@ class Example:
     latent_std: torch.Tensor | None = None
     prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None
+    reencoded: Reencoded | None = None
 
 
 class ImageCaptionDataset(Dataset):
@@ -86,7 +89,8 @@ class ImageCaptionDataset(Dataset):
             latents no image is decoded: the transform is drawn from the stored image size
             exactly as it would be from the pixels, and a missing or mismatched entry is
             skipped like an unreadable image. With cached text, each example carries its
-            caption's encoding (a caption missing from the cache is encoded on the fly).
+            caption's encoding (a caption missing from the cache is encoded on the fly; so is
+            one whose entry is damaged, and the example says so: ``Example.reencoded``).
         caption_variants: with random caption tools, train epoch ``e`` with variant
             ``e % caption_variants`` of each caption (what a text cache holds); None: the
             cache's setting when it holds text, else 0 (every caption augmented afresh).
@@ -159,9 +163,11 @@ class ImageCaptionDataset(Dataset):
             except IMAGE_LOAD_ERRORS as error:
                 return self.skip(index, f"unreadable image: {error_reason(error)}")
         caption = self.caption(record.caption, epoch, index, generator)
-        prompt = None
+        prompt, reencoded = None, None
         if self.cache is not None and self.cache.text_fingerprint is not None:
             prompt = self.cache.prompt(caption)
+            if isinstance(prompt, str):
+                reencoded, prompt = self.reencode(index, caption, prompt), None
         return Example(
             pixel_values=pixel_values,
             caption=caption,
@@ -176,6 +182,7 @@ class ImageCaptionDataset(Dataset):
             latent_std=None if posterior is None else posterior[1],
             prompt_embeds=None if prompt is None else prompt[0],
             pooled_prompt_embeds=None if prompt is None else prompt[1],
+            reencoded=reencoded,
         )
 
     def skip(self, index: int, reason: str) -> Skipped:
@@ -184,6 +191,15 @@ class ImageCaptionDataset(Dataset):
             self.warned.add(name)
             logger.warning("data: skipping %s: %s", name, reason)
         return Skipped(index, name, reason)
+
+    def reencode(self, index: int, caption: str, reason: str) -> Reencoded:
+        """The note that ``caption``'s cached encoding is damaged (the caption is encoded on the
+        fly): logged once per caption in this process, reported by the run."""
+        name = text_embedding_name(caption)
+        if name not in self.warned:
+            self.warned.add(name)
+            logger.warning("data: %s: %s", name, reason)
+        return Reencoded(index, name, reason)
 
     def caption(self, caption: str, epoch: int, index: int, generator: torch.Generator) -> str:
         """The caption record ``index`` trains with in ``epoch``: dropped (drawn after the
@@ -211,6 +227,7 @@ class Batch:
         indices: int64 ``[B]`` dataset indices, for logging and debugging.
         num_bad: examples of this batch dropped as unusable (the run's data stream keeps only
             the items it had not met before: each bad item counts once; ``skipped`` likewise).
+            A re-encoded text embedding is not one of them.
         position: where this batch sits in the run; equals ``sampler.position`` before the
             trainer's ``advance()`` for it. ``None`` if the keys had no batch position.
         loss_weights: float32 ``[B]`` per-sample loss weights (e.g. tag frequency), or ``None``.
@@ -218,6 +235,9 @@ class Batch:
         latent_mean, latent_std: cached VAE posteriors ``[B, C, h, w]`` (storage dtype), or None.
         prompt_embeds, pooled_prompt_embeds: cached text encodings, or None (encode on the fly).
         skipped: the dropped examples, with names and reasons.
+        reencoded: the cached text embeddings of this batch's captions that were damaged, so
+            encoded on the fly (their examples are in the batch; the data stream keeps the
+            ones it had not met before, like ``skipped``).
     """
 
     pixel_values: torch.Tensor | None
@@ -235,6 +255,7 @@ class Batch:
     prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None
     skipped: tuple[Skipped, ...] = ()
+    reencoded: tuple[Reencoded, ...] = ()
 
     @property
     def size(self) -> int:
@@ -304,4 +325,5 @@ def collate_examples(examples: Sequence[Example | Skipped]) -> Batch:
         prompt_embeds=_stack(good, "prompt_embeds"),
         pooled_prompt_embeds=_stack(good, "pooled_prompt_embeds"),
         skipped=skipped,
+        reencoded=tuple(example.reencoded for example in good if example.reencoded is not None),
     )

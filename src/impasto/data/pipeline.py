@@ -168,6 +168,12 @@ class DataStream:
     the items this stream has not met before (``known_bad``: those left out before training),
     so a bad file met again in a later epoch, or as a repeat, is not reported again by this
     process; the trainer's checkpointed counters dedup across ranks and resumes.
+
+    A damaged cached text embedding is no unusable item: its caption is encoded on the fly and
+    the image trained on. A batch's ``reencoded`` likewise holds the ones not met before, and
+    the stream adds them to the bad-data report itself (``bad_data``; rank 0 writes it: issue
+    #29), never to ``num_bad``, so they count toward neither ``images_bad`` nor
+    ``data.max_bad_fraction``; the report's rows are what the run summary counts.
     """
 
     def __init__(
@@ -181,6 +187,7 @@ class DataStream:
         world: int = 1,
         known_bad: set[str] | None = None,
         caption_variants: int | None = None,
+        bad_data: BadDataLog | None = None,
     ) -> None:
         data = config.data
         self.loader, self.sampler = build_dataloader(
@@ -201,6 +208,8 @@ class DataStream:
             caption_variants=caption_variants,
         )
         self.known_bad = set(known_bad or ())
+        self.known_reencoded: set[str] = set()
+        self.bad_data, self.main = bad_data, rank == 0
         self._iterator = None
 
     @property
@@ -217,15 +226,24 @@ class DataStream:
             self._iterator = iter(self.loader)
             batch = next(self._iterator)
         self.sampler.advance()
-        return self.first_meetings(batch)
+        batch = self.first_meetings(batch)
+        if batch.reencoded and self.bad_data is not None:  # a host-side append, no device sync
+            self.bad_data.record(batch.reencoded, write=self.main)
+        return batch
 
     def first_meetings(self, batch: Batch) -> Batch:
-        """``batch`` with ``skipped`` and ``num_bad`` cut to the items not met before."""
-        if not batch.skipped:
-            return batch
-        new = [item for item in distinct(batch.skipped) if item.name not in self.known_bad]
-        self.known_bad.update(item.name for item in new)
-        return replace(batch, num_bad=len(new), skipped=tuple(new))
+        """``batch`` with ``skipped`` and ``num_bad``, and ``reencoded``, cut to the items not
+        met before."""
+        if batch.skipped:
+            new = [item for item in distinct(batch.skipped) if item.name not in self.known_bad]
+            self.known_bad.update(item.name for item in new)
+            batch = replace(batch, num_bad=len(new), skipped=tuple(new))
+        if batch.reencoded:
+            known = self.known_reencoded
+            reencoded = [item for item in distinct(batch.reencoded) if item.name not in known]
+            known.update(item.name for item in reencoded)
+            batch = replace(batch, reencoded=tuple(reencoded))
+        return batch
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()
@@ -361,7 +379,7 @@ def prepare_run_data(
     if pixels_only and config.cache.text_embeddings == "disk":
         variants = config.cache.caption_variants  # the captions the text cache holds
     stream = DataStream(
-        config, records, bucket_of, weights, encodings, rank, world, known_bad, variants
+        config, records, bucket_of, weights, encodings, rank, world, known_bad, variants, bad_data
     )
     sets = [] if pixels_only else held_out_sets(config, scan.held_out, main)
     return RunData(
