@@ -359,7 +359,7 @@ ERROR_CASES = {
     ),
     "folder missing": (
         lambda tmp, clip, heads: {"kind": "clip_score", "path": str(tmp / "absent")},
-        "is not a folder; download PickScore",
+        "absent does not exist; download PickScore",
     ),
     "no config.json": (
         lambda tmp, clip, heads: {"kind": "clip_score", "path": str(tmp)},

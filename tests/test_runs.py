@@ -96,6 +96,10 @@ def test_the_runs_commands(tmp_path: Path, capsys, monkeypatch):
     assert main(["runs", "plot", "runs/a", "--out", "curves.png"]) == 0
     assert (tmp_path / "curves.png").is_file()
     assert main(["runs", "summary", "nowhere"]) == 2
+    assert capsys.readouterr().err == (
+        "impasto: error: nowhere: does not exist; check the run directory's path\n"
+    )
+    assert main(["runs", "summary", "."]) == 2
     assert "not an impasto run" in capsys.readouterr().err
 
 

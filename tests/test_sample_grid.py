@@ -161,9 +161,7 @@ def test_prompt_file_config_rules(tiny_raw, tmp_path):
     with pytest.raises(ValueError, match=":1: --s 1000: a sampler visits fewer timesteps"):
         impasto.build_config(tiny_raw)
     tiny_raw["sample"]["prompts_file"] = str(tmp_path / "missing.txt")
-    with pytest.raises(
-        ValueError, match="sample.prompts_file: .*missing.txt: prompt file not found"
-    ):
+    with pytest.raises(ValueError, match="sample.prompts_file: .*missing.txt: does not exist"):
         impasto.build_config(tiny_raw)
     tiny_raw["sample"] = {"guidance_rescale": 1.5}
     with pytest.raises(ValueError, match="sample.guidance_rescale"):

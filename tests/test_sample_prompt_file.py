@@ -90,7 +90,7 @@ def test_read_prompt_file_names_the_line_and_refuses_empty_or_missing_files(tmp_
     path.write_text("# only comments\n\n", encoding="utf-8")
     with pytest.raises(ValueError, match="holds no prompt"):
         read_prompt_file(path)
-    with pytest.raises(ValueError, match="prompt file not found"):
+    with pytest.raises(ValueError, match="missing.txt: does not exist; check the path"):
         read_prompt_file(tmp_path / "missing.txt")
     path.write_bytes("un chat été".encode("latin-1"))
     with pytest.raises(ValueError, match="not UTF-8"):

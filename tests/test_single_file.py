@@ -439,10 +439,10 @@ def test_unreadable_files_are_refused(tiny_file: Path, tmp_path: Path) -> None:
     not_safetensors = tmp_path / "notes.safetensors"
     not_safetensors.write_text("this is not a checkpoint\n")
     cases = {
-        truncated: "truncated or corrupt",
-        not_safetensors: "truncated or corrupt",
-        tmp_path / "absent.safetensors": "no such file",
-        tmp_path: "is a directory",
+        truncated: "truncated",
+        not_safetensors: "not a safetensors file",
+        tmp_path / "absent.safetensors": "does not exist",
+        tmp_path: "is a folder, not a file",
         tmp_path / "model.gguf": "unsupported file type",
     }
     (tmp_path / "model.gguf").write_bytes(b"GGUF")

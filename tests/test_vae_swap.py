@@ -88,11 +88,11 @@ def test_what_is_not_a_fitting_vae_is_one_line(tiny, tmp_path: Path):
         assert "\n" not in message and message.startswith(f"model.vae {path}")
         return message
 
-    assert "no such file" in problem(tmp_path / "missing.safetensors")
+    assert "does not exist" in problem(tmp_path / "missing.safetensors")
     (tmp_path / "vae.ckpt").write_bytes(b"x")
     assert ".safetensors" in problem(tmp_path / "vae.ckpt")
     (tmp_path / "broken.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
-    assert "cannot read" in problem(tmp_path / "broken.safetensors")
+    assert "truncated" in problem(tmp_path / "broken.safetensors")
     save_file({"model.diffusion_model.x": torch.zeros(1)}, tmp_path / "unet.safetensors")
     assert "not a VAE" in problem(tmp_path / "unet.safetensors")
     state = {k: v.contiguous() for k, v in tiny.vae.state_dict().items()}

@@ -41,6 +41,7 @@ from impasto.checkpoint.trained import (
 from impasto.config import Config
 from impasto.export_lora import (
     adapter_parts,
+    check_base_model,
     read_adapters,
     write_lora_diffusers,
     write_lora_kohya,
@@ -53,6 +54,7 @@ from impasto.models.lora_kohya import merge_kohya
 from impasto.models.parts import merge_adapters
 from impasto.models.sdxl import PART_NAMES as PARTS
 from impasto.models.single_file import save_single_file
+from impasto.models.single_file.file_errors import check_safetensors
 from impasto.permissions import apply_umask
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -99,11 +101,15 @@ def _sdxl_config(config: Config) -> Config:
     return config
 
 
+MERGE_LORA_OPTION = "--merge-lora"
+
+
 def _merge_lora(models: SDXLComponents, options: ExportOptions) -> None:
+    check_safetensors(options.merge_lora, MERGE_LORA_OPTION)  # read again: it may have changed
     try:
         tensors = load_file(options.merge_lora)
-    except (OSError, SafetensorError) as error:
-        raise ValueError(f"export: cannot read {options.merge_lora} ({error})") from None
+    except (OSError, SafetensorError) as error:  # what safetensors refuses beyond the header
+        raise ValueError(f"{MERGE_LORA_OPTION} {options.merge_lora}: {error}") from None
     merge_kohya(models, tensors, options.lora_scale)
 
 
@@ -118,6 +124,9 @@ def full_model(
     """
     path = resolve_checkpoint(checkpoint)
     config = _sdxl_config(read_checkpoint_config(path))
+    if options.merge_lora:  # before the model is built: a wrong path is found in a second
+        check_safetensors(options.merge_lora, MERGE_LORA_OPTION)
+    check_base_model(config, path)
     adapters = adapter_parts(config)
     if adapters and not options.merge:
         raise ValueError(

@@ -135,6 +135,24 @@ def read_adapters(path: str | Path, kinds: tuple[str, ...], fmt: str, ema: bool)
     return Adapters(config, checkpoint, states)
 
 
+def check_base_model(
+    config: Config, checkpoint: Path, settings: tuple[str, ...] = ("model.path", "model.vae")
+) -> None:
+    """A one-line ``ValueError`` when a path the run's config names for the model it started
+    from (``settings``: ``model.path``, ``model.vae``) does not exist: the export rebuilds the
+    model from it (issue #29). The way out is to put it back: the checkpoint's config.yaml is
+    hashed in its state.json, so pointing the setting elsewhere there is not one."""
+    for setting in settings:
+        value = getattr(config.model, setting.removeprefix("model."))
+        if value is None or Path(value).exists():
+            continue
+        kind = "file" if Path(value).suffix.lower() in SINGLE_FILE_SUFFIXES else "folder"
+        raise ValueError(
+            f"{setting} {value}: does not exist; the export rebuilds the model of {checkpoint} "
+            f"from it: put the {kind} back there (a symlink will do)"
+        )
+
+
 def unet_config_of(config: Config) -> dict[str, Any]:
     """The config of the UNet ``config`` trains, from config files and file headers only (kohya
     names follow the UNet's block layout; no weight is read)."""
@@ -154,9 +172,10 @@ def unet_config_of(config: Config) -> dict[str, Any]:
     try:
         return json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
+        reason = "it does not exist" if isinstance(error, FileNotFoundError) else str(error)
         raise ValueError(
-            f"export: kohya names need the base UNet's block layout; cannot read {config_file} "
-            f"({error})"
+            f"model.path {path}: cannot read unet/config.json ({reason}); the export's kohya "
+            "names need the base UNet's block layout, from a diffusers SDXL folder"
         ) from None
 
 
@@ -222,7 +241,10 @@ def write_lora_kohya(adapters: Adapters, out: str | Path, dtype: torch.dtype, ti
     out = Path(out)
     if out.suffix != ".safetensors":
         raise ValueError(f"export: {out}: a kohya LoRA is one file; give a .safetensors name")
-    unet_config = unet_config_of(adapters.config) if "unet" in adapters.states else None
+    unet_config = None
+    if "unet" in adapters.states:
+        check_base_model(adapters.config, adapters.checkpoint, ("model.path",))
+        unet_config = unet_config_of(adapters.config)
     tensors = {}
     for part, state in adapters.states.items():
         tensors |= to_kohya(part, state, adapters.alpha, unet_config)

@@ -34,7 +34,8 @@ from impasto.export_lora import adapter_parts
 from impasto.models import SDXLComponents, load_clip_tokenizers
 from impasto.models.io import TRANSFORMERS_DTYPE_KWARG, load_component, load_tokenizer
 from impasto.models.parts import ADAPTER_NAME, Part, load_part, peft_config
-from impasto.models.single_file import TensorFile, load_single_file
+from impasto.models.single_file import load_single_file
+from impasto.models.single_file.file_errors import open_tensor_file
 from impasto.models.single_file.load import parameters_on_meta
 from impasto.models.tokenizers import TOKENIZER_2_PAD_TOKEN, TOKENIZER_PAD_TOKEN
 from impasto.models.vae_swap import load_vae
@@ -63,16 +64,17 @@ def loads_by_network(checkpoint: Path, config: Config, ema: bool, merge_lora: bo
 
 def _diffusers_model(root: Path, name: str, dtype: torch.dtype) -> nn.Module | None:
     """The UNet or VAE of a diffusers folder in ``dtype``, its weights read with plain reads (see
-    :class:`TensorFile`: ``from_pretrained`` maps the file, whose pages then count beside the
-    fp32 copy); None when the folder's weights are not one file under the module's own names
-    (sharded, or an older layout ``from_pretrained`` converts)."""
+    :class:`~impasto.models.single_file.TensorFile`: ``from_pretrained`` maps the file, whose
+    pages then count beside the fp32 copy); None when the folder's weights are not one file
+    under the module's own names (sharded, or an older layout ``from_pretrained`` converts)."""
     model_class = _DIFFUSERS_CLASSES[name]
     weights = root / name / "diffusion_pytorch_model.safetensors"
     if not weights.is_file():
         return None
     with parameters_on_meta():
         module = model_class.from_config(model_class.load_config(root / name))
-    with TensorFile(weights) as handle:
+    label = f"model.path {root}: {name}/{weights.name}"  # unreadable, truncated: say which
+    with open_tensor_file(weights, "model.path", label) as handle:
         if set(handle.keys()) != set(module.state_dict()):
             return None
         state = {key: handle.read(key).to(dtype) for key in handle.keys()}  # noqa: SIM118

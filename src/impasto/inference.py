@@ -75,7 +75,7 @@ class SampleRequest:
         """The command line's prompts, then the prompt file's (read now: errors come early)."""
         prompts = [SamplePrompt(text) for text in self.prompts]
         if self.prompts_file is not None:
-            prompts += read_prompt_file(self.prompts_file)
+            prompts += read_prompt_file(self.prompts_file, setting="--prompts-file")
         if not prompts:
             raise ValueError("no prompt to sample; give --prompt TEXT or --prompts-file FILE")
         return prompts

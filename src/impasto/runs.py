@@ -168,6 +168,8 @@ def run_status(run_dir: Path, step: int, total_steps: int | None) -> str:
 def summarize_run(run_dir: str | Path) -> RunSummary:
     """The :class:`RunSummary` of the run in ``run_dir``; a one-line error if it is none."""
     run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise ValueError(f"{run_dir}: does not exist; check the run directory's path")
     if not is_run(run_dir):
         raise ValueError(
             f"{run_dir}: not an impasto run (no {CONFIG_FILE} with {METRICS_FILE} or "
@@ -216,6 +218,8 @@ def validation_key(records: list[dict[str, Any]]) -> str:
 
 def list_runs(root: str | Path) -> list[str]:
     """One line per run under ``root``: its folder, status and step."""
+    if not Path(root).exists():
+        raise ValueError(f"{root}: does not exist; name the folder that holds the runs")
     runs = find_runs(Path(root))
     if not runs:
         raise ValueError(f"{root}: no impasto runs in it (a run folder holds {CONFIG_FILE})")
@@ -268,6 +272,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
         ) from None
     paths = [Path(run_dir) for run_dir in run_dirs]
     for path in paths:
+        if not path.exists():
+            raise ValueError(f"{path}: does not exist; check the run directory's path")
         if not is_run(path):
             raise ValueError(f"{path}: not an impasto run (no {CONFIG_FILE} and {METRICS_FILE})")
     series = plot_series(paths)

@@ -47,6 +47,8 @@ def open_model(path: str | Path, ema: bool = False) -> SamplingModel:
     a diffusers SDXL folder (``model_index.json``) or a single-file ``.safetensors``.
     ``ema``: a checkpoint's EMA weights (exported models have none)."""
     path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: does not exist; check the path given to impasto sample")
     if is_run_checkpoint(path):
         return open_run(path, ema)
     exported = (path / "model_index.json").is_file() or (

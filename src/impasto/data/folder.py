@@ -226,7 +226,10 @@ def scan_folder(
     """
     root = Path(root)
     if not root.exists():
-        raise ValueError(f"data: image folder {root} does not exist; check the path")
+        raise ValueError(
+            f"data: image folder {root} does not exist; check the path (a relative path in a "
+            "config file is relative to the file's folder)"
+        )
     if not root.is_dir():
         raise ValueError(f"data: {root} is not a folder; point the dataset at a folder of images")
     relative_paths = sorted(
@@ -312,7 +315,10 @@ def scan_manifest(path: Path) -> Scan:
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"data: manifest {path} does not exist; check data.path")
+        raise ValueError(
+            f"data: manifest {path} does not exist; check the path (a relative path in a config "
+            "file is relative to the file's folder)"
+        )
     if path.suffix not in (".jsonl", ".csv"):
         raise ValueError(f"data: manifest {path} must be .jsonl or .csv")
     scan = Scan()

@@ -42,8 +42,20 @@ def read_prompts(path: str | Path) -> list[ImageRecord]:
         )
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise ValueError(f"data.prompts: {path} does not exist; check the path") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(
+            f"data.prompts {path}: does not exist; put the file back there or point data.prompts "
+            "at it"
+        ) from None
+    except IsADirectoryError:
+        raise ValueError(
+            f"data.prompts {path}: is a folder, not a prompt file; point data.prompts at a .txt "
+            "or .jsonl file"
+        ) from None
+    except PermissionError:
+        raise ValueError(
+            f"data.prompts {path}: cannot read it (permission denied); check its permissions"
+        ) from None
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"data.prompts: cannot read {path} as UTF-8 text ({error})") from None
     records = []

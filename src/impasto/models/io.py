@@ -30,10 +30,12 @@ from impasto.models.tokenizers import (
 if TYPE_CHECKING:  # importing the pipelines is slow and prints transformers notices
     from diffusers import StableDiffusionXLPipeline
 
-EXPECTED_LAYOUT = (
-    "expected a diffusers SDXL folder (model_index.json, unet/, vae/, text_encoder/, "
+SETTING = "model.path"
+DIFFUSERS_FOLDER = (
+    "a diffusers SDXL folder (model_index.json, unet/, vae/, text_encoder/, "
     "text_encoder_2/, tokenizer/, tokenizer_2/)"
 )
+EXPECTED_LAYOUT = f"expected {DIFFUSERS_FOLDER}"
 # safetensors only: pickled .bin weights can run code when loaded (DESIGN §6).
 DIFFUSERS_WEIGHTS = (
     "diffusion_pytorch_model.safetensors",
@@ -106,12 +108,21 @@ def save_diffusers(components: SDXLComponents, path: str | Path, scheduler: Any 
 def _check_component(root: Path, subfolder: str, weight_names: tuple[str, ...]) -> None:
     """Raise a one-line ``ValueError`` if ``root/subfolder`` lacks its config or weights."""
     folder = root / subfolder
+    if folder.is_file():
+        raise ValueError(
+            f"model.path {root}: {subfolder} is a file, not a folder; {EXPECTED_LAYOUT}"
+        )
     if not folder.is_dir():
         raise ValueError(f"model.path {root}: no {subfolder}/ folder; {EXPECTED_LAYOUT}")
     if not (folder / "config.json").is_file():
         raise ValueError(f"model.path {root}: no {subfolder}/config.json; {EXPECTED_LAYOUT}")
     try:
         json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except OSError as err:  # permission denied, an I/O error
+        from impasto.models.single_file.file_errors import os_error
+
+        label = f"model.path {root}: {subfolder}/config.json"
+        raise os_error(folder / "config.json", SETTING, err, label=label) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(
             f"model.path {root}: {subfolder}/config.json is not valid JSON ({err}); "
@@ -140,6 +151,16 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
+def check_weights(root: Path, weights: Path) -> None:
+    """A one-line ``ValueError`` if the safetensors file ``weights`` of the folder ``root``
+    cannot be read, is not safetensors, is truncated or is corrupt (its header only is read;
+    a sharded model's index is not checked)."""
+    from impasto.models.single_file.file_errors import check_safetensors
+
+    if weights.suffix == ".safetensors":
+        check_safetensors(weights, SETTING, f"model.path {root}: {weights.relative_to(root)}")
+
+
 def load_component(model_class: Any, root: Path, subfolder: str, **kwargs: Any) -> Any:
     """``model_class.from_pretrained`` on a checked local subfolder, its tensors in memory of
     their own (:func:`own_aligned_storage`); errors become one line."""
@@ -149,6 +170,7 @@ def load_component(model_class: Any, root: Path, subfolder: str, **kwargs: Any) 
         )
     except Exception as err:  # corrupt or truncated files: safetensors, torch, json errors
         weights = _weights_file(root / subfolder, COMPONENT_WEIGHTS[subfolder])
+        check_weights(root, weights)  # unreadable, not safetensors, truncated, corrupt: say which
         raise ValueError(
             f"model.path {root}: cannot load {weights} ({_first_line(err)}); if the file is "
             "corrupt or truncated, re-save or re-copy it"
@@ -198,9 +220,10 @@ def load_diffusers(path: str | Path) -> SDXLComponents:
 
     Missing ``tokenizer/`` or ``tokenizer_2/`` folders fall back to the bundled CLIP tokenizers.
     """
+    from impasto.models.single_file.file_errors import check_folder
+
     root = Path(path)
-    if not root.is_dir():
-        raise ValueError(f"model.path {root}: no such directory; {EXPECTED_LAYOUT}")
+    check_folder(root, SETTING, f"{DIFFUSERS_FOLDER}, or at a single-file .safetensors")
     if not (root / "model_index.json").is_file():
         raise ValueError(f"model.path {root}: no model_index.json; {EXPECTED_LAYOUT}")
     for subfolder, weight_names in COMPONENT_WEIGHTS.items():

@@ -211,10 +211,12 @@ def init_adapters_from_kohya(parts: dict[str, Part], lora: LoraConfig) -> int:
     from safetensors.torch import load_file
 
     from impasto.models.lora_kohya import from_kohya
+    from impasto.models.single_file.file_errors import check_safetensors
 
     path = lora.init_from
     if lora.kind != "lora":
         raise ValueError(f"lora.init_from: a kohya LoRA starts kind lora, not {lora.kind}")
+    check_safetensors(path, "lora.init_from")  # missing, unreadable, truncated: say which
     try:
         tensors = load_file(path)
     except (OSError, SafetensorError) as error:

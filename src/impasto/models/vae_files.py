@@ -53,9 +53,12 @@ def save_vae_file(vae: AutoencoderKL, out_file: Path, training: dict[str, Any]) 
 
 def read_vae_metadata(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(diffusers config, training record)`` stored in a file written by :func:`save_vae_file`."""
+    from impasto.models.single_file.file_errors import check_safetensors
+
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"vae: no such file {path}; train one with `impasto train-vae`")
+    if not path.exists():
+        raise ValueError(f"vae: {path} does not exist; train one with `impasto train-vae`")
+    check_safetensors(path, "vae", f"vae: {path}")  # a folder, unreadable, truncated, ...
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}

@@ -11,8 +11,8 @@ Three forms are read, all offline:
   without a ``first_stage_model.`` / ``vae.`` prefix), such as Stability's ``sdxl_vae.safetensors``;
   renamed by diffusers' own converter.
 
-Every problem (no such path, another kind of file, missing tensors, wrong shapes) is one line
-naming ``model.vae``.
+Every problem (a path that does not exist, cannot be read or is not safetensors, a truncated
+file, another kind of file, missing tensors, wrong shapes) is one line naming ``model.vae``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from diffusers import AutoencoderKL
 from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 from safetensors import SafetensorError, safe_open
 
+from impasto.models.single_file.file_errors import check_safetensors, missing_error
 from impasto.models.vae_files import CONFIG_KEY
 
+SETTING = "model.vae"
 DIFFUSERS_KEY = "encoder.down_blocks.0.resnets.0.conv1.weight"
 LDM_KEY = "encoder.down.0.block.0.conv1.weight"  # after a first_stage_model. / vae. prefix
 LDM_PREFIXES = ("", "first_stage_model.", "vae.")
@@ -34,7 +36,7 @@ CONFIG_NAME = "config.json"
 
 
 def _error(path: Path, problem: str) -> ValueError:
-    return ValueError(f"model.vae {path}: {problem}")
+    return ValueError(f"{SETTING} {path}: {problem}")
 
 
 def load_vae(path: str | Path, like: AutoencoderKL) -> AutoencoderKL:
@@ -51,8 +53,7 @@ def load_vae(path: str | Path, like: AutoencoderKL) -> AutoencoderKL:
             raise _error(path, "expected a diffusers VAE folder or a .safetensors file")
         vae = _load_file(path, like)
     else:
-        raise _error(path, "no such file or folder; give a diffusers VAE folder or a "
-                     ".safetensors file")  # fmt: skip
+        raise missing_error(path, SETTING, "file" if path.suffix else "folder")
     latent, expected = vae.config.latent_channels, like.config.latent_channels
     if latent != expected:
         raise _error(path, f"a VAE with {latent} latent channels; this model's has {expected}")
@@ -67,10 +68,14 @@ def _load_folder(path: Path) -> AutoencoderKL:
         with torch.random.fork_rng(devices=[]):  # the throwaway init draws from the global RNG
             return AutoencoderKL.from_pretrained(str(folder), local_files_only=True)
     except Exception as error:  # corrupt weights, a config of another model, missing files
+        weights = folder / "diffusion_pytorch_model.safetensors"
+        if weights.is_file():  # unreadable, not safetensors, truncated, corrupt: say which
+            check_safetensors(weights, SETTING, f"{SETTING} {path}: {weights.relative_to(path)}")
         raise _error(path, f"cannot load it as an AutoencoderKL ({_first_line(error)})") from None
 
 
 def _load_file(path: Path, like: AutoencoderKL) -> AutoencoderKL:
+    check_safetensors(path, SETTING)  # unreadable, not safetensors, truncated, corrupt
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}

@@ -54,8 +54,10 @@ def clip_folder(path: str | None, hint: str) -> Path:
     if not path:
         raise ValueError(f"reward.path is unset; set it to a local CLIPModel folder: {hint}")
     folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ValueError(f"reward.path: {folder} does not exist; {hint}")
     if not folder.is_dir():
-        raise ValueError(f"reward.path: {folder} is not a folder; {hint}")
+        raise ValueError(f"reward.path: {folder} is a file, not a folder; {hint}")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ValueError(
@@ -211,13 +213,19 @@ def read_head_state_dict(path: str | None) -> dict[str, Tensor]:
     if not path:
         raise ValueError(f"reward.head is unset; {HEAD_HINT}")
     file = Path(path).expanduser()
-    if not file.is_file():
+    if not file.exists():
         raise ValueError(f"reward.head: {file} does not exist; {HEAD_HINT}")
+    if file.is_dir():
+        raise ValueError(f"reward.head: {file} is a folder, not a file; {HEAD_HINT}")
     try:
         if file.suffix == ".safetensors":
             state = load_file(str(file))
         else:
             state = torch.load(file, map_location="cpu", weights_only=True)
+    except PermissionError:
+        raise ValueError(
+            f"reward.head: {file}: cannot read it (permission denied); check its permissions"
+        ) from None
     except Exception as error:  # noqa: BLE001  (pickle, zip and safetensors errors differ)
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ValueError(f"reward.head: {file} is unreadable ({message}); {HEAD_HINT}") from None

@@ -169,20 +169,39 @@ def parse_prompt_text(text: str, name: str) -> list[SamplePrompt]:
     return prompts
 
 
-def read_prompt_file(path: str | Path) -> list[SamplePrompt]:
-    """The prompts of the UTF-8 prompt file ``path``: at least one, or a one-line error."""
+def _missing_way_out(setting: str | None) -> str:
+    if setting is None:
+        return "check the path"
+    if setting.startswith("--"):  # a command-line option: most likely a typo
+        return f"check the path given to {setting}"
+    return f"put the file back there or point {setting} at it"
+
+
+def read_prompt_file(path: str | Path, setting: str | None = None) -> list[SamplePrompt]:
+    """The prompts of the UTF-8 prompt file ``path``: at least one, or a one-line error.
+
+    ``setting``: the option or config setting that named the file (``--prompts-file``,
+    ``sample.prompts_file``); it then starts every error (``SETTING PATH: ...``) and names the
+    way out. Without it errors start with the path, for the caller to prefix."""
     path = Path(path)
+    name = f"{setting} {path}" if setting else str(path)
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"{path}: prompt file not found; check the path") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"{name}: does not exist; {_missing_way_out(setting)}") from None
     except IsADirectoryError:
-        raise ValueError(f"{path}: is a folder, not a prompt file") from None
+        raise ValueError(
+            f"{name}: is a folder, not a prompt file; give a text file with one prompt per line"
+        ) from None
+    except PermissionError:
+        raise ValueError(
+            f"{name}: cannot read it (permission denied); check its permissions"
+        ) from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text; save it as UTF-8") from None
+        raise ValueError(f"{name}: not UTF-8 text; save it as UTF-8") from None
     except OSError as error:
-        raise ValueError(f"{path}: cannot read it ({error.strerror})") from None
-    prompts = parse_prompt_text(text, str(path))
+        raise ValueError(f"{name}: cannot read it ({error.strerror or error})") from None
+    prompts = parse_prompt_text(text, name)
     if not prompts:
-        raise ValueError(f"{path}: holds no prompt; write one per line ('#' starts a comment)")
+        raise ValueError(f"{name}: holds no prompt; write one per line ('#' starts a comment)")
     return prompts

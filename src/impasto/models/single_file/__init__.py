@@ -8,7 +8,10 @@
 - :func:`sgm_state_dict`: the export's key map, usable on meta-device modules.
 - :func:`read_configs`: the architecture of a single file, from its header alone.
 - :func:`write_safetensors`, :class:`TensorFile`: safetensors written (and cast) and read one
-  tensor at a time, without a memory map.
+  tensor at a time, without a memory map; :class:`SafetensorsFileError` and its kinds (not
+  safetensors, truncated, corrupt) for a file that is not a usable one.
+- :mod:`~impasto.models.single_file.file_errors`: the one-line errors for a file a setting
+  names (missing, a folder, unreadable, not safetensors, truncated, corrupt).
 """
 
 from __future__ import annotations
@@ -27,10 +30,21 @@ from impasto.models.single_file.keymap import (
 )
 from impasto.models.single_file.load import load_single_file, read_configs
 from impasto.models.single_file.save import save_single_file
-from impasto.models.single_file.stream import TensorFile, write_safetensors
+from impasto.models.single_file.stream import (
+    CorruptSafetensorsError,
+    NotSafetensorsError,
+    SafetensorsFileError,
+    TensorFile,
+    TruncatedSafetensorsError,
+    write_safetensors,
+)
 
 __all__ = [
+    "CorruptSafetensorsError",
+    "NotSafetensorsError",
+    "SafetensorsFileError",
     "TensorFile",
+    "TruncatedSafetensorsError",
     "ComponentConfigs",
     "build_components",
     "clip_text_model_key",

@@ -32,6 +32,7 @@ from impasto.models.single_file.configs import (
     sdxl_base_configs,
 )
 from impasto.models.single_file.detect import REFUSED_KINDS, SDXL_BASE, detect_checkpoint
+from impasto.models.single_file.file_errors import check_file, open_tensor_file
 from impasto.models.single_file.keymap import (
     CLIP_G_PREFIX,
     CLIP_L_PREFIX,
@@ -40,8 +41,8 @@ from impasto.models.single_file.keymap import (
     VAE_PREFIX,
     sgm_state_dict,
 )
-from impasto.models.single_file.stream import TensorFile
 
+SETTING = "model.path"
 SAFETENSORS_SUFFIX = ".safetensors"
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth")
 EXPECTED_FILE = "expected an SDXL base single-file checkpoint (.safetensors)"
@@ -55,7 +56,7 @@ SDXL_COMPONENTS = (
 
 
 def _error(path: Path, problem: str) -> ValueError:
-    return ValueError(f"model.path {path}: {problem}")
+    return ValueError(f"{SETTING} {path}: {problem}")
 
 
 def _first_line(err: BaseException) -> str:
@@ -74,16 +75,9 @@ class _Checkpoint:
 @contextmanager
 def _open_safetensors(path: Path) -> Iterator[_Checkpoint]:
     # Plain reads, not safe_open's memory map: the pages of a 7 GB file would stay in the
-    # process's resident memory beside the fp32 tensors made from them (issue #17).
-    try:
-        handle = TensorFile(path)
-    except Exception as err:  # a bad header, a truncated file; OSError
-        raise _error(
-            path,
-            f"not a readable safetensors file ({_first_line(err)}): it is truncated or corrupt; "
-            "re-download or re-copy it",
-        ) from err
-    with handle:
+    # process's resident memory beside the fp32 tensors made from them (issue #17). Missing,
+    # unreadable, not safetensors, truncated, corrupt: each its own line (issue #29).
+    with open_tensor_file(path, SETTING) as handle:
         yield _Checkpoint(dict(handle.shapes), dict(handle.metadata), handle.read)
 
 
@@ -115,10 +109,7 @@ def _load_pickle(path: Path, allow_pickle: bool) -> _Checkpoint:
 
 @contextmanager
 def _open_checkpoint(path: Path, allow_pickle: bool) -> Iterator[_Checkpoint]:
-    if path.is_dir():
-        raise _error(path, f"is a directory; {EXPECTED_FILE}")
-    if not path.is_file():
-        raise _error(path, f"no such file; {EXPECTED_FILE}")
+    check_file(path, SETTING, EXPECTED_FILE.removeprefix("expected "))
     suffix = path.suffix.lower()
     if suffix == SAFETENSORS_SUFFIX:
         with _open_safetensors(path) as checkpoint:

@@ -124,13 +124,78 @@ def write_safetensors(
         raise
 
 
+class SafetensorsFileError(ValueError):
+    """A file that is not a usable safetensors file. ``str()`` is one line that starts with the
+    kind of problem (``not a safetensors file``, ``truncated``, ``corrupt``), then the detail in
+    parentheses; the subclass says which, so that callers can word the way out (issue #29)."""
+
+    kind = "not a usable safetensors file"
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(f"{self.kind} ({detail})")
+
+
+class NotSafetensorsError(SafetensorsFileError):
+    """No safetensors header: an empty file, text, JSON, an HTML page, a pickle, a zip."""
+
+    kind = "not a safetensors file"
+
+
+class TruncatedSafetensorsError(SafetensorsFileError):
+    """A valid header whose header or tensor data runs past the end of the file."""
+
+    kind = "truncated"
+
+
+class CorruptSafetensorsError(SafetensorsFileError):
+    """A header that parses but is inconsistent: not JSON, an unknown dtype, a shape that does
+    not fit its byte range, overlapping tensors."""
+
+    kind = "corrupt"
+
+
+def _as_text(start: bytes) -> str | None:
+    """``start`` as text if it is printable UTF-8 (a character cut at its end allowed)."""
+    try:
+        text = start.decode("utf-8")
+    except UnicodeDecodeError as error:
+        if error.start < len(start) - 3:  # not just a multi-byte character cut by the read
+            return None
+        text = start[: error.start].decode("utf-8")
+    if text and all(char.isprintable() or char.isspace() for char in text):
+        return text
+    return None
+
+
+def _looks_like(start: bytes, size: int) -> str:
+    """What a file that is not safetensors seems to be, from its first bytes (for the error)."""
+    if size == 0:
+        return "the file is empty"
+    if start.startswith(b"PK\x03\x04"):
+        return "a zip archive, as PyTorch .pt / .ckpt files are"
+    if start[:1] == b"\x80":
+        return "a Python pickle, as old PyTorch .pt / .ckpt files are"
+    text = _as_text(start)
+    if text is not None:
+        words = " ".join(text.split())
+        return f"{size:,} bytes of text starting {words[:40] + '...' * (len(words) > 40)!r}"
+    if size < 8:
+        return f"{size} bytes, shorter than the 8-byte header length"
+    (header_size,) = struct.unpack("<Q", start[:8])
+    return f"its first 8 bytes give a header length of {header_size:,} bytes"
+
+
 class TensorFile:
     """A safetensors file opened for reading one tensor at a time without a memory map.
 
     The header is parsed and checked on opening (every tensor's byte range inside the file and
-    of the size its shape and dtype say): a truncated or foreign file is a ``ValueError``.
-    Use as a context manager; :meth:`read` returns a new CPU tensor, :meth:`read_into` fills a
-    contiguous tensor of the same shape in place.
+    of the size its shape and dtype say). A file that cannot be opened raises ``OSError``
+    (``FileNotFoundError``, ``IsADirectoryError``, ``PermissionError``); one that opens but is
+    not a usable safetensors file a :class:`SafetensorsFileError` (a ``ValueError``):
+    :class:`NotSafetensorsError`, :class:`TruncatedSafetensorsError` or
+    :class:`CorruptSafetensorsError`. Use as a context manager; :meth:`read` returns a new CPU
+    tensor, :meth:`read_into` fills a contiguous tensor of the same shape in place.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -142,38 +207,76 @@ class TensorFile:
             self._handle.close()
             raise
 
-    def _parse_header(self) -> None:
-        size = os.fstat(self._handle.fileno()).st_size
-        prefix = self._handle.read(8)
-        if len(prefix) < 8:
-            raise ValueError("shorter than a safetensors header")
-        (header_size,) = struct.unpack("<Q", prefix)
-        if header_size > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError("the header length is past the end of the file")
+    def _read_header(self, size: int) -> dict[str, object]:
+        """The header as a JSON object (and ``_start``, where the data begins); raises what kind
+        of file this is when it is not one."""
+        start = self._handle.read(64)
+        if len(start) < 8:
+            raise NotSafetensorsError(_looks_like(start, size))
+        (header_size,) = struct.unpack("<Q", start[:8])
+        # A header is a JSON object: "{" right after the length, else the file is something else.
+        if header_size > MAX_HEADER_BYTES or start[8:].lstrip()[:1] != b"{":
+            raise NotSafetensorsError(_looks_like(start, size))
+        if header_size > size - 8:
+            raise TruncatedSafetensorsError(
+                f"a {header_size:,}-byte header, but only {size - 8:,} bytes follow its length"
+            )
+        self._handle.seek(8)
         try:
             header = json.loads(self._handle.read(header_size))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"the header is not JSON ({error})") from None
+            raise CorruptSafetensorsError(f"the header is not valid JSON: {error}") from None
         if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+            raise CorruptSafetensorsError("the header is not a JSON object")
         self._start = 8 + header_size
+        return header
+
+    def _parse_header(self) -> None:
+        size = os.fstat(self._handle.fileno()).st_size
+        header = self._read_header(size)
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(
+            isinstance(value, str) for value in metadata.values()
+        ):
+            raise CorruptSafetensorsError("__metadata__ is not a map of strings")
+        self.metadata: dict[str, str] = metadata
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         self._offsets: dict[str, tuple[int, int]] = {}
         for name, entry in header.items():
-            try:
-                dtype = DTYPES_BY_NAME[entry["dtype"]]
-                shape = tuple(int(n) for n in entry["shape"])
-                begin, end = (int(n) for n in entry["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"a bad header entry for {name!r}") from None
-            if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"{name!r} has byte offsets that do not fit its shape")
-            if self._start + end > size:
-                raise ValueError(f"{name!r} ends past the end of the file (truncated?)")
-            self.shapes[name], self.dtypes[name] = shape, dtype
-            self._offsets[name] = (begin, end)
+            self._parse_entry(name, entry)
+        self._check_layout(size)
+
+    def _parse_entry(self, name: str, entry: object) -> None:
+        try:
+            dtype_name = entry["dtype"]  # type: ignore[index]
+            shape = tuple(int(n) for n in entry["shape"])  # type: ignore[index]
+            begin, end = (int(n) for n in entry["data_offsets"])  # type: ignore[index]
+        except (KeyError, TypeError, ValueError):
+            raise CorruptSafetensorsError(f"a bad header entry for tensor {name!r}") from None
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES_BY_NAME:
+            raise CorruptSafetensorsError(f"tensor {name!r} has an unknown dtype {dtype_name!r}")
+        dtype = DTYPES_BY_NAME[dtype_name]
+        if min(shape, default=0) < 0 or not 0 <= begin <= end:
+            raise CorruptSafetensorsError(f"tensor {name!r} has a negative size or byte offset")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CorruptSafetensorsError(
+                f"tensor {name!r}: byte offsets that do not fit its shape"
+            )
+        self.shapes[name], self.dtypes[name] = shape, dtype
+        self._offsets[name] = (begin, end)
+
+    def _check_layout(self, size: int) -> None:
+        """No two tensors share bytes, and the last one ends inside the file."""
+        previous, previous_end = "", 0
+        for name, (begin, end) in sorted(self._offsets.items(), key=lambda item: item[1]):
+            if begin < previous_end:
+                raise CorruptSafetensorsError(f"tensors {previous!r} and {name!r} overlap")
+            previous, previous_end = name, max(previous_end, end)
+        if self._start + previous_end > size:
+            raise TruncatedSafetensorsError(
+                f"its tensors end at byte {self._start + previous_end:,}, the file holds {size:,}"
+            )
 
     def keys(self) -> list[str]:
         return list(self.shapes)
@@ -188,7 +291,7 @@ class TensorFile:
             begin, end = self._offsets[name]
             self._handle.seek(self._start + begin)
             if self._handle.readinto(_bytes_of(target)) != end - begin:
-                raise ValueError(f"{name}: the file ended early (truncated?)")
+                raise TruncatedSafetensorsError(f"{name}: the file ended early")
         else:
             with torch.no_grad():
                 target.copy_(buffer)
