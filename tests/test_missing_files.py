@@ -347,3 +347,24 @@ def test_export_of_a_run_whose_base_file_was_cut_says_truncated(run_from_files, 
         base.unlink()
     assert message.startswith(f"model.path {base}: truncated (its tensors end at byte ")
     assert message.endswith(RECOPY)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["sample", "{missing}", "--prompt", "x", "--out", "o"],
+         "{missing}: does not exist; check the path given to impasto sample"),
+        (["export", "{missing}", "--format", "lora-kohya", "--out", "o.safetensors"],
+         "{missing}: does not exist; check the path of the run or checkpoint"),
+        (["runs", "summary", "{missing}"],
+         "{missing}: does not exist; check the run directory's path"),
+        (["runs", "list", "{missing}"],
+         "{missing}: does not exist; name the folder that holds the runs"),
+    ],
+)  # fmt: skip
+def test_a_run_that_does_not_exist_is_called_missing(argv, message, tmp_path, capsys):
+    missing = str(tmp_path / "runs" / "gone")
+    assert main([arg.format(missing=missing) for arg in argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"impasto: error: {message.format(missing=missing)}"
+    ]

@@ -468,11 +468,13 @@ def _report(error: Exception) -> int:
     unexpected error is re-raised with its traceback."""
     if _debug() or not isinstance(error, (ValueError, OSError, FloatingPointError)):
         raise error
+    if getattr(error, "rank_0_reports", False):  # every rank stops with it: rank 0 prints it
+        return EXIT_USAGE
     if isinstance(error, (ValueError, FileNotFoundError)):
         for line in _error_lines(error):
             print(f"impasto: error: {line}", file=sys.stderr)
         return EXIT_USAGE
-    if isinstance(error, OSError):  # a folder without write permission, a disk full outside a save
+    if isinstance(error, OSError):  # no write permission (a run's full disk is a DiskFullError)
         where = f": {error.filename}" if error.filename else ""
         print(f"impasto: error: {error.strerror or error}{where}", file=sys.stderr)
         return 1

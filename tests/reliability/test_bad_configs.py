@@ -627,3 +627,16 @@ def test_an_output_dir_without_write_permission_is_one_line(tmp_path: Path, caps
     ]
     assert main(["train", str(config), "--set", f"train.output_dir={locked}"]) == 2
     assert "train.output_dir: cannot write to" in capsys.readouterr().err
+
+
+def test_an_output_dir_on_a_pseudo_filesystem_is_one_line(tmp_path: Path, capsys):
+    """/proc takes no new folder, not even from root: the run's mkdir names the key."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(base_raw(tmp_path)), encoding="utf-8")
+    assert main(["train", str(config), "--set", "train.output_dir=/proc/impasto/run"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "impasto: error: train.output_dir: cannot create /proc/impasto/run (No such file or "
+        "directory: /proc/impasto); choose a folder you can write to"
+    ]

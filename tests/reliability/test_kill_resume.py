@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from harness import (
+    assert_one_line_error,
     final_state,
     finish,
     logged_steps,
@@ -159,4 +160,30 @@ def test_kill_at_20_moments_then_resume_is_bitwise(tmp_path, data_with_bad_items
     faults = faults[:2] + later  # the cache faults stay first
     killed, run_dir = interrupt_and_finish(tmp_path, data_with_bad_items, faults)
     assert killed == len(faults) == 20
+    assert_same(straight, final_state(run_dir), "final state")
+
+
+# A full disk at a write between two saves (the bad-data report, the metrics), then inside a
+# save (the third checkpoint file of a session): each stops the run with one line.
+FULL_DISK_FAULTS = ["enospc@bad_data.write:1", "enospc@metrics.write:7", "enospc@checkpoint.file:9"]
+
+
+@pytest.mark.slow  # four runs of a child process (~30 s)
+def test_a_full_disk_at_each_kind_of_write_is_one_line_then_resume_is_bitwise(
+    tmp_path, data_with_bad_items, straight
+):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = write_config(tmp_path / "config.yaml", raw_config(data_with_bad_items, run_dir))
+    for fault in FULL_DISK_FAULTS:
+        result = run(config, fault=fault)
+        line = assert_one_line_error(result, "not enough disk space", "run the same command again")
+        # Last, and nothing after it: no writer thread's or exit-time traceback.
+        assert result.stderr.strip().splitlines()[-1] == line, result.stderr
+        assert "Exception" not in result.stderr, result.stderr
+        newest = latest_checkpoint(run_dir / "checkpoints")
+        assert (f"checkpoint {newest.name} is intact" if newest else "no checkpoint yet") in line
+        check_loadable(run_dir)
+    result = run(config)
+    assert result.returncode == 0, result.stderr
     assert_same(straight, final_state(run_dir), "final state")

@@ -1,10 +1,12 @@
 """The run directory is one run's: a second trainer on it stops with one line naming the
 first (pid, host) and changes nothing; a lock left by a killed trainer is taken over; a
 damaged or tampered newest checkpoint is set aside and the previous one resumed (no pickle
-payload runs); a changed optimizer is one line; a full disk is one line and loses nothing."""
+payload runs); a changed optimizer is one line; a full disk is one line and loses nothing, also
+when it fills between two saves and another file of the run cannot be written."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -30,10 +32,13 @@ from harness import (
 )
 from helpers import assert_same
 
-from impasto.checkpoint import list_checkpoints
+from impasto import cli, faults
+from impasto.checkpoint import DiskFullError, list_checkpoints, sharded
 from impasto.checkpoint import state as checkpoint_state
+from impasto.checkpoint.space import DeferredDiskFull
 from impasto.cli import main
-from impasto.train import run_lock
+from impasto.distributed import RunGroup
+from impasto.train import run_lock, trainer
 from impasto.train.run_lock import RunDirInUse, RunLock
 
 
@@ -312,9 +317,10 @@ def test_an_output_folder_without_write_permission_is_one_line(
         return real_mkdir(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "mkdir", read_only)
-    assert main(["train", str(config)]) == 1
+    assert main(["train", str(config)]) == 2  # a config value to change: exit 2 (issue #29)
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"impasto: error: Permission denied: {run_dir}"
+        f"impasto: error: train.output_dir: cannot create {run_dir} (Permission denied); "
+        "choose a folder you can write to"
     ]
 
 
@@ -382,3 +388,164 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path):
     finally:
         os.kill(child, 9)
         os.waitpid(child, 0)
+
+
+def test_a_disk_that_fills_between_two_saves_is_one_line_and_resumes_bitwise(
+    tmp_path, demo_folder, capsys, monkeypatch
+):
+    """The metrics append at step 7 finds the disk full (after the checkpoint at step 5): one
+    line naming the file and the intact checkpoint, exit 2; with room again, the same command
+    resumes and ends where an uninterrupted run does, bit for bit, its log without a gap."""
+    straight_dir = tmp_path / "straight"
+    straight = write_config(tmp_path / "s.yaml", raw_config(demo_folder, straight_dir))
+    assert main(["train", str(straight)]) == 0
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "r.yaml", raw_config(demo_folder, run_dir))
+    monkeypatch.setattr(faults, "SPEC", "enospc@metrics.write:7")
+    capsys.readouterr()
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(
+        f"impasto: error: not enough disk space to write {run_dir / 'metrics.jsonl'} ("
+    ), err
+    assert err[0].endswith(
+        "free); the checkpoint step-00000005 is intact; free some space and run the same "
+        "command again to resume from it"
+    ), err
+    assert logged_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    monkeypatch.undo()  # room again
+    assert main(["train", str(config)]) == 0
+    assert "step-00000005 (step 5)" in capsys.readouterr().out
+    assert logged_steps(run_dir) == list(range(1, 11))
+    assert_same(final_state(straight_dir), final_state(run_dir), "final state")
+
+
+@pytest.mark.parametrize(
+    ("fault", "raw_edits", "written", "kept"),
+    [
+        ("enospc@samples.write:2", {"sample": {"every_steps": 3, "prompts": ["a red square"],
+         "num_steps": 2}}, "samples/step-00000006.png", "the checkpoint step-00000005 is intact"),
+        ("enospc@tensorboard.write:6", {"log": {"every_steps": 1, "tensorboard": True,
+         "progress_bar": False}}, "tensorboard", "the checkpoint step-00000005 is intact"),
+        ("enospc@lock.write:1", {}, ".impasto.lock", "no checkpoint yet"),
+    ],
+)  # fmt: skip
+def test_each_writer_on_a_full_disk_is_one_line(
+    fault, raw_edits, written, kept, tmp_path, demo_folder, capsys, monkeypatch
+):
+    """A validation grid, TensorBoard's events and the run's lock file (at start, before any
+    checkpoint): each names its file; the run lets go of everything (the same process runs
+    the same command again)."""
+    run_dir = tmp_path / "run"
+    raw = raw_config(demo_folder, run_dir, 6) | raw_edits
+    config = write_config(tmp_path / "r.yaml", raw)
+    monkeypatch.setattr(faults, "SPEC", fault)
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"impasto: error: not enough disk space to write {run_dir / written} (" in err[0], err
+    assert f"free); {kept}; free some space and run the same command again" in err[0], err
+    monkeypatch.undo()
+    assert main(["train", str(config)]) == 0
+
+
+def fill(disk: Path) -> None:
+    """Write a file on ``disk`` until no byte more fits."""
+    with open(disk / "filler", "wb", buffering=0) as filler:
+        for size in (1 << 20, 1 << 16, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    filler.write(b"\0" * size)
+
+
+def test_a_real_disk_that_fills_between_two_saves_is_one_line(
+    tmp_path, demo_folder, capsys, monkeypatch
+):
+    """A 40 MiB tmpfs filled right after the checkpoint at step 5: the next write of the run
+    (metrics, TensorBoard's writer thread) fails; one line, no thread's traceback. Once the
+    filler is deleted the same command resumes from step 5 and finishes."""
+    disk = tmp_path / "disk"
+    if not tmpfs(disk, "40m"):
+        pytest.skip("cannot mount a tmpfs here (not root); the injected-error tests cover it")
+    try:
+        run_dir = disk / "run"
+        raw = raw_config(demo_folder, run_dir, 10)
+        raw["log"]["tensorboard"] = True
+        config = write_config(tmp_path / "r.yaml", raw)
+        real_save_run = trainer.save_run
+
+        def save_then_fill(*args, **kwargs):
+            saved = real_save_run(*args, **kwargs)
+            fill(disk)
+            return saved
+
+        monkeypatch.setattr(trainer, "save_run", save_then_fill)
+        assert main(["train", str(config)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert err[0].startswith(f"impasto: error: not enough disk space to write {run_dir}/")
+        assert "(0 bytes free); the checkpoint step-00000005 is intact; free some" in err[0]
+        monkeypatch.undo()
+        (disk / "filler").unlink()
+        assert main(["train", str(config)]) == 0
+        assert "step-00000005 (step 5)" in capsys.readouterr().out
+        assert logged_steps(run_dir) == list(range(1, 11))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_real_disk_that_fills_during_a_sharded_save_is_one_line(
+    tmp_path, demo_folder, capsys, monkeypatch
+):
+    """DCP's writers fail on a 192 KiB tmpfs (the check before the save disabled): their
+    error, which DCP gathers from every rank, is the one line; the partial save is removed."""
+    disk = tmp_path / "disk"
+    if not tmpfs(disk, "192k"):
+        pytest.skip("cannot mount a tmpfs here (not root); the injected-error tests cover it")
+    try:
+        run_dir = disk / "run"
+        raw = raw_config(demo_folder, run_dir, 5)  # about 300 KiB of LoRA and optimizer state
+        raw["parallel"] = {"strategy": "fsdp"}
+        monkeypatch.setattr(checkpoint_state, "check_free_space", lambda *args: None)
+        monkeypatch.setattr(sharded, "check_free_space", lambda *args: None)
+        assert main(["train", str(write_config(tmp_path / "r.yaml", raw))]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert "checkpoint step-00000005: not enough disk space" in err[0], err
+        assert "nothing was lost" in err[0], err
+        assert not list((run_dir / "checkpoints").iterdir())  # the partial save is gone
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+class RankOneOfTwo:
+    """The run group as rank 1 sees it when rank 0's metrics write found the disk full."""
+
+    is_main = False
+
+    def any(self, *flags: bool) -> list[bool]:
+        return [True for _ in flags]
+
+    def gather(self, value: Any) -> list[Any]:
+        return ["not enough disk space to write RUN/metrics.jsonl (...)", value]
+
+
+def test_a_full_disk_on_rank_0_stops_the_other_ranks_silently(tmp_path, capsys):
+    """Every rank stops at the same step with rank 0's line (exit 2); rank 0 alone prints it."""
+    writes = DeferredDiskFull()
+    with pytest.raises(DiskFullError) as stopped:
+        writes.check(RankOneOfTwo(), tmp_path, tmp_path / "checkpoints")
+    assert str(stopped.value) == "not enough disk space to write RUN/metrics.jsonl (...)"
+    assert stopped.value.rank_0_reports
+    assert cli._report(stopped.value) == 2
+    assert capsys.readouterr().err == ""
+    with writes.deferred(), faults.writing(tmp_path / "report.tsv"):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    with pytest.raises(PermissionError), writes.deferred():
+        raise PermissionError(errno.EACCES, "Permission denied")  # not a full disk: raised
+    line = str(writes.stop(RunGroup(), tmp_path, tmp_path / "checkpoints"))
+    assert line == (
+        f"not enough disk space to write {tmp_path / 'report.tsv'} (over the disk quota); no "
+        "checkpoint yet; free some space and run the same command again to start over"
+    )

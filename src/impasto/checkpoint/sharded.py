@@ -12,7 +12,9 @@ A parallel run (``parallel.strategy`` ddp, fsdp or hsdp) saves ``RUN/checkpoints
 - ``config.yaml``.
 
 Atomic like a one-process checkpoint: every rank writes into ``.tmp-step-N``, and rank 0
-renames it into place once all of them have finished (a barrier). With ``async`` the ranks
+renames it into place once all of them have finished (a barrier). A disk without room for it,
+before or during the write, stops every rank with the same one line (:class:`DiskFullError`;
+rank 0 prints it). With ``async`` the ranks
 stage their state in host memory and write it in a background thread while training goes
 on; the rename happens at the first step at which every rank's writer has finished.
 
@@ -24,6 +26,8 @@ own weights cover. :func:`read_full` reads a whole checkpoint into one process (
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +46,10 @@ from impasto.checkpoint.state import (
     checkpoint_dir,
     commit_checkpoint,
     damaged,
+    disk_full,
     expected_sizes,
     file_sizes,
+    is_disk_full,
     prune_checkpoints,
 )
 from impasto.checkpoint.stateful import FORMAT, Stateful, is_json, load_saved
@@ -69,6 +75,7 @@ class PendingSave:
     tmp: Path
     state: dict[str, Any]
     texts: dict[str, str]
+    needed: int  # bytes, over all ranks
     future: Future | None = None
 
 
@@ -108,19 +115,19 @@ class ShardedCheckpointer:
                 tmp.mkdir()
             except DiskFullError as error:
                 problem = str(error)
-        (problem,) = self.group.gather(problem)[:1]  # rank 0's verdict, on every rank
-        if problem is not None:
-            raise DiskFullError(problem)
+        self.stop_if_full(problem)
         state |= {"format": FORMAT, "layout": LAYOUT, MODEL_METADATA_KEY: model_metadata}
-        self.pending = PendingSave(step, tmp, state, texts)
+        pending = PendingSave(step, tmp, state, texts, needed)
         import torch.distributed.checkpoint as dcp
 
         if self.background:
-            self.pending.future = dcp.async_save(
+            pending.future = dcp.async_save(
                 distributed, checkpoint_id=str(tmp), process_group=self.writer_group
             )
+            self.pending = pending
             return None
-        dcp.save(distributed, checkpoint_id=str(tmp))
+        self.written(pending, lambda: dcp.save(distributed, checkpoint_id=str(tmp)))
+        self.pending = pending
         return self.finish()
 
     def poll(self) -> Path | None:
@@ -139,13 +146,49 @@ class ShardedCheckpointer:
     def finish(self) -> Path:
         pending, self.pending = self.pending, None
         if pending.future is not None:
-            pending.future.result()  # re-raises a writer's error on its rank
+            self.written(pending, pending.future.result)  # a writer's error, on every rank
         self.group.barrier()  # every rank's files are on disk
         final = checkpoint_dir(self.root, pending.step)
+        problem = None
         if self.group.is_main:
-            commit(self.root, pending, final, self.keep_last)
-        self.group.barrier()  # the checkpoint is in place for every rank
+            try:
+                commit(self.root, pending, final, self.keep_last)
+            except Exception as error:
+                if not is_disk_full(error, self.root):
+                    raise
+                problem = str(self.disk_full(pending))
+        # Rank 0's verdict on every rank; the checkpoint is in place for every rank.
+        self.stop_if_full(self.group.gather(problem)[0])
         return final
+
+    def written(self, pending: PendingSave, write: Callable[[], object]) -> None:
+        """Run DCP's ``write`` of ``pending`` (every rank). DCP gathers the ranks' errors and
+        raises them on every rank as one ``CheckpointException``: one that a full disk caused
+        becomes :class:`DiskFullError` (and the partial files are removed)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            write()
+        except CheckpointException as error:
+            failures = [failure for failure, _ in error.failures.values()]
+            if not any(isinstance(f, Exception) and is_disk_full(f, self.root) for f in failures):
+                raise
+            self.stop_if_full(str(self.disk_full(pending)))
+
+    def disk_full(self, pending: PendingSave) -> DiskFullError:
+        """The line for ``pending``, whose partial files rank 0 removes first."""
+        if self.group.is_main:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+        return disk_full(self.root, checkpoint_dir(self.root, pending.step).name, pending.needed)
+
+    def stop_if_full(self, problem: str | None) -> None:
+        """Raise :class:`DiskFullError` with ``problem`` (rank 0's line, which every rank
+        has), if any; printed by rank 0 alone."""
+        if problem is None:
+            return
+        error = DiskFullError(problem)
+        error.rank_0_reports = not self.group.is_main
+        raise error
 
 
 def commit(root: Path, pending: PendingSave, final: Path, keep_last: int) -> None:

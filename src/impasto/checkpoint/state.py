@@ -15,14 +15,14 @@ other file's size, so a truncated file is found before anything is loaded from i
 (:class:`DamagedCheckpoint`; the trainer then resumes from the previous checkpoint).
 
 Space: a save first checks that the disk has room for it (:func:`check_free_space`) and turns a
-disk that fills up during the write into one line (:class:`DiskFullError`). Old checkpoints are
+disk that fills up during the write into one line (:class:`DiskFullError`; the run's other
+files, which fail when the disk fills between two saves: :mod:`.space`). Old checkpoints are
 pruned by renaming them to ``.tmp-pruned-…`` before deleting them, so a kill during the delete
 leaves only a ``.tmp-*`` leftover, removed when the run next starts (:func:`remove_leftovers`).
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import pickle
@@ -37,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from impasto.faults import fault_point
+from impasto.faults import DISK_FULL_ERRNOS, fault_point
 from impasto.permissions import apply_umask
 
 PREFIX = "step-"
@@ -47,7 +47,6 @@ STATE_FILE = "state.json"
 FILES_KEY = "files"  # in state.json: every other file's size in bytes
 SPACE_MARGIN = 1.05  # a save needs its estimated size times this, plus SPACE_SLACK, free
 SPACE_SLACK = 16 << 20
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class DamagedCheckpoint(ValueError):
@@ -56,7 +55,11 @@ class DamagedCheckpoint(ValueError):
 
 
 class DiskFullError(ValueError):
-    """No room on the disk for a checkpoint (one line; the previous checkpoint is intact)."""
+    """No room on the disk for a checkpoint or another file of the run (one line; the
+    previous checkpoint is intact). ``rank_0_reports``: every rank of a parallel run stops
+    with this same line, and rank 0 alone prints it."""
+
+    rank_0_reports = False
 
 
 @dataclass
@@ -189,10 +192,7 @@ def is_disk_full(error: Exception, root: Path) -> bool:
 
 
 def disk_full(root: Path, name: str, needed: int) -> DiskFullError:
-    try:
-        free = f"{human_bytes(shutil.disk_usage(root).free)} free"
-    except OSError:
-        free = "free space unknown"
+    free = free_text(root)
     previous = latest_checkpoint(root)
     kept = f"the previous checkpoint {previous.name} is intact" if previous else "nothing was lost"
     return DiskFullError(
@@ -200,6 +200,16 @@ def disk_full(root: Path, name: str, needed: int) -> DiskFullError:
         f"{human_bytes(needed * SPACE_MARGIN + SPACE_SLACK)}, {free}); {kept}; free some space "
         "(or lower checkpoint.keep_last) and run the same command again to resume"
     )
+
+
+def free_text(path: Path) -> str:
+    """How much space the disk holding ``path`` (or its nearest existing folder) has left."""
+    try:
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        return f"{human_bytes(shutil.disk_usage(path).free)} free"
+    except OSError:
+        return "free space unknown"
 
 
 def human_bytes(count: float) -> str:

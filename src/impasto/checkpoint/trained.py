@@ -73,6 +73,8 @@ def read_model_metadata(path: str | Path) -> dict[str, str]:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or the newest checkpoint of a run directory."""
     path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: does not exist; check the path of the run or checkpoint")
     if (path / STATE_FILE).is_file():
         return path
     newest = latest_checkpoint(path / "checkpoints")

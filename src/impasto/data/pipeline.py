@@ -36,6 +36,7 @@ from impasto.data.records import (
 from impasto.data.sampler import ResumableBatchSampler
 from impasto.data.skips import BAD_DATA_FILE, SCANNED, BadDataLog, Skipped, distinct
 from impasto.distributed import RunGroup, process_group
+from impasto.faults import writing
 from impasto.precision import autocast_factory, resolve_device, resolve_precision
 
 Bucket = tuple[int, int]
@@ -82,7 +83,8 @@ def bucket_placement(
     bucket_of, bucket_report = assign_image_buckets(records, buckets, config.data.bucket_no_upscale)
     text = bucket_report.format()
     if run_dir is not None:
-        (run_dir / "buckets.txt").write_text(text + "\n", encoding="utf-8")
+        with writing(run_dir / "buckets.txt"):
+            (run_dir / "buckets.txt").write_text(text + "\n", encoding="utf-8")
     if main:
         where = run_dir / "buckets.txt" if run_dir else "not saved"
         print(f"impasto: aspect buckets ({where}):")
@@ -170,10 +172,10 @@ class DataStream:
     process; the trainer's checkpointed counters dedup across ranks and resumes.
 
     A damaged cached text embedding is no unusable item: its caption is encoded on the fly and
-    the image trained on. A batch's ``reencoded`` likewise holds the ones not met before, and
-    the stream adds them to the bad-data report itself (``bad_data``; rank 0 writes it: issue
-    #29), never to ``num_bad``, so they count toward neither ``images_bad`` nor
-    ``data.max_bad_fraction``; the report's rows are what the run summary counts.
+    the image trained on. A batch's ``reencoded`` likewise holds the ones not met before; the
+    trainer adds them, gathered from every rank, to the bad-data report (issue #29), never to
+    ``num_bad``, so they count toward neither ``images_bad`` nor ``data.max_bad_fraction``;
+    the report's rows are what the run summary counts.
     """
 
     def __init__(
@@ -187,7 +189,6 @@ class DataStream:
         world: int = 1,
         known_bad: set[str] | None = None,
         caption_variants: int | None = None,
-        bad_data: BadDataLog | None = None,
     ) -> None:
         data = config.data
         self.loader, self.sampler = build_dataloader(
@@ -209,7 +210,6 @@ class DataStream:
         )
         self.known_bad = set(known_bad or ())
         self.known_reencoded: set[str] = set()
-        self.bad_data, self.main = bad_data, rank == 0
         self._iterator = None
 
     @property
@@ -226,10 +226,7 @@ class DataStream:
             self._iterator = iter(self.loader)
             batch = next(self._iterator)
         self.sampler.advance()
-        batch = self.first_meetings(batch)
-        if batch.reencoded and self.bad_data is not None:  # a host-side append, no device sync
-            self.bad_data.record(batch.reencoded, write=self.main)
-        return batch
+        return self.first_meetings(batch)
 
     def first_meetings(self, batch: Batch) -> Batch:
         """``batch`` with ``skipped`` and ``num_bad``, and ``reencoded``, cut to the items not
@@ -379,7 +376,7 @@ def prepare_run_data(
     if pixels_only and config.cache.text_embeddings == "disk":
         variants = config.cache.caption_variants  # the captions the text cache holds
     stream = DataStream(
-        config, records, bucket_of, weights, encodings, rank, world, known_bad, variants, bad_data
+        config, records, bucket_of, weights, encodings, rank, world, known_bad, variants
     )
     sets = [] if pixels_only else held_out_sets(config, scan.held_out, main)
     return RunData(

@@ -22,6 +22,8 @@ from typing import TypeVar
 
 from PIL import Image, UnidentifiedImageError
 
+from impasto.faults import writing
+
 SCANNED = -1
 """The ``index`` of an item left out while the sources were read (it has no record)."""
 
@@ -148,7 +150,7 @@ class BadDataLog:
         a resumed checkpoint."""
         new = distinct([item for item in skipped if item.name not in self.names])
         if new and write and self.path is not None:
-            with self.path.open("a", encoding="utf-8") as handle:
+            with writing(self.path), self.path.open("a", encoding="utf-8") as handle:
                 for item in new:
                     reason = " ".join(item.reason.split())  # one line, no tab
                     handle.write(f"{item.name}\t{reason}\n")

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from impasto.faults import writing
+
 if TYPE_CHECKING:
     from impasto.config.schema import WandbConfig
 
@@ -44,7 +46,8 @@ def wandb_run_id(run_dir: Path, resume_step: int) -> str:
     if resume_step > 0 and path.is_file():
         return path.read_text(encoding="utf-8").strip()
     new_id = uuid.uuid4().hex[:12]
-    path.write_text(f"{new_id}\n", encoding="utf-8")
+    with writing(path, "wandb.write"):
+        path.write_text(f"{new_id}\n", encoding="utf-8")
     return new_id
 
 

@@ -23,7 +23,12 @@ import socket
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from impasto.faults import is_disk_full_error, writing
+
+if TYPE_CHECKING:
+    from impasto.checkpoint.space import DeferredDiskFull
 
 LOCK_FILE = ".impasto.lock"
 UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -33,13 +38,19 @@ class RunDirInUse(ValueError):
     """Another live process holds the run directory."""
 
 
-def lock_run_dir(run_dir: Path, group: Any) -> RunLock | None:
+def lock_run_dir(
+    run_dir: Path, group: Any, writes: DeferredDiskFull | None = None
+) -> RunLock | None:
     """Rank 0 of ``group`` (a :class:`~impasto.distributed.RunGroup`) locks the run
-    directory; when it cannot, every rank stops with its line."""
+    directory; when it cannot, every rank stops with its line. ``writes``: a
+    :class:`~impasto.checkpoint.space.DeferredDiskFull` that keeps a full disk's error (the
+    lock file's holder record) for the caller to stop every rank with."""
     lock, problem = None, None
     if group.is_main:
         try:
-            lock = RunLock(run_dir).acquire()
+            with writes.deferred() if writes is not None else contextlib.nullcontext():
+                make_run_dir(run_dir)
+                lock = RunLock(run_dir).acquire()
         except ValueError as error:
             problem = str(error)
     (problem,) = group.gather(problem)[:1]
@@ -62,6 +73,22 @@ def _close_inherited_locks() -> None:
 
 
 os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """Create ``train.output_dir``; a folder that cannot be made (a read-only mount, a
+    pseudo-filesystem such as /proc, no permission) is one line naming the key (issue #29).
+    A full disk is left to the caller (:mod:`impasto.checkpoint.space`)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        if is_disk_full_error(error):
+            raise
+        where = f": {error.filename}" if error.filename and Path(error.filename) != run_dir else ""
+        raise ValueError(
+            f"train.output_dir: cannot create {run_dir} ({error.strerror or error}{where}); "
+            "choose a folder you can write to"
+        ) from None
 
 
 class RunLock:
@@ -88,8 +115,12 @@ class RunLock:
                 raise
             self._acquire_exclusive_file()
             return self
+        try:
+            write_holder(fd, self.path)
+        except BaseException:  # a full disk: the lock is not kept (a later try takes it)
+            os.close(fd)
+            raise
         self._fd = fd
-        write_holder(fd)
         self._finalizer = weakref.finalize(self, os.close, fd)
         _HELD.add(fd)
         return self
@@ -105,8 +136,13 @@ class RunLock:
                     raise RunDirInUse(in_use_message(self.path, holder, fallback=True)) from None
                 self.path.unlink(missing_ok=True)
                 continue
-            write_holder(fd)
-            os.close(fd)
+            try:
+                write_holder(fd, self.path)
+            except BaseException:
+                self.path.unlink(missing_ok=True)
+                raise
+            finally:
+                os.close(fd)
             self._exclusive_file = True
             self._finalizer = weakref.finalize(self, self.path.unlink, missing_ok=True)
             return
@@ -129,15 +165,17 @@ class RunLock:
         self.release()
 
 
-def write_holder(fd: int) -> None:
-    """Record who holds the lock (for the message a second trainer prints)."""
+def write_holder(fd: int, path: Path) -> None:
+    """Record who holds the lock (for the message a second trainer prints) in ``path``, open
+    as ``fd``."""
     holder = {
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(holder).encode(), 0)
+    with writing(path, "lock.write"):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
 
 
 def read_holder(path: Path) -> dict[str, object]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from impasto.checkpoint.sharded import ShardedCheckpointer, is_sharded, load_sharded
+from impasto.checkpoint.space import DeferredDiskFull, disk_full_is_one_line
 from impasto.checkpoint.stateful import Stateful, load_states
 from impasto.checkpoint.trained import model_metadata
 from impasto.config import Config, config_hash, config_to_dict
@@ -25,8 +26,9 @@ from impasto.data.census import DATASET_FILE
 from impasto.data.dataset import Batch, Skipped
 from impasto.data.pipeline import prepare_run_data
 from impasto.data.records import bad_fraction_text
+from impasto.data.skips import Reencoded
 from impasto.distributed import RunGroup, run_group
-from impasto.faults import fault_point
+from impasto.faults import fault_point, writing
 from impasto.logging import MetricsLogger
 from impasto.logging.flops import FlopMeter, peak_tflops, tflops_and_mfu
 from impasto.logging.profiler import StepProfiler
@@ -61,7 +63,7 @@ from impasto.train.step_metrics import (
     subset_means,
 )
 from impasto.train.summary import dataset_facts, report, run_clock, summary_lines
-from impasto.train.validation import ValidationGrid, validation_prompts, write_validation_grid
+from impasto.train.validation import ValidationGrid, render_validation_grid, validation_prompts
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,20 @@ def train(
 ) -> TrainResult:
     """Train (or continue training) the run described by ``config``: in this process, or as
     one rank of a ``torchrun`` job (``parallel.strategy``). ``run_summary``: what rank 0 prints
-    once the run stopped (finished or by a signal) and its files are closed."""
+    once the run stopped (finished or by a signal) and its files are closed.
+
+    A disk that fills up between two checkpoints fails some other write of the run (metrics,
+    a grid, a report, the lock file): that stops the run with one line naming the file and
+    the newest checkpoint, from which the same command resumes once there is room (issue #29;
+    :mod:`impasto.checkpoint.space`)."""
     parallel = config.parallel
+    run_dir = Path(config.train.output_dir)
     with (
         StopRequest(),
         run_group(  # a signal while the group starts stops at once
             parallel.strategy, config.train.device, parallel.timeout_s, parallel.shard_size
         ) as group,
+        disk_full_is_one_line(run_dir, run_dir / CHECKPOINTS),
     ):
         return Trainer(config, resume, group, run_summary).run()
 
@@ -120,6 +129,8 @@ class Trainer:
         # A signal from here on stops at once (start-up), later after the step (run).
         self.stop = StopRequest().install()
         self.lock: RunLock | None = None
+        # Rank 0's writes that find the disk full: kept until the ranks agree to stop.
+        self.writes = DeferredDiskFull()
         try:
             self.build(config, resume, group)
         except BaseException:
@@ -129,9 +140,13 @@ class Trainer:
     def build(self, config: Config, resume: bool, group: RunGroup | None) -> None:
         self.config = config
         self.group = group = group or RunGroup(device=resolve_device(config.train.device))
-        self.lock = lock_run_dir(Path(config.train.output_dir), group)
-        self.run_dir = prepare_run_dir(config, resume, group.is_main)
+        output_dir = Path(config.train.output_dir)
+        self.lock = lock_run_dir(output_dir, group, self.writes)
+        self.writes.check(group, output_dir, output_dir / CHECKPOINTS)
+        with self.writes.deferred(), writing(output_dir / "config.yaml"):
+            self.run_dir = prepare_run_dir(config, resume, group.is_main)
         group.barrier()
+        self.writes.check(group, output_dir, output_dir / CHECKPOINTS)
         group.agree(
             "the config", config_hash(config),
             "start every rank with the same config file and overrides",
@@ -229,19 +244,42 @@ class Trainer:
         return result
 
     def train_steps(self) -> TrainResult:
-        config, state, total, log = self.config, self.state, self.data.total_steps, self.config.log
-        stop, group, main = self.stop, self.group, self.group.is_main
-        metrics = None
+        state, group, main = self.state, self.group, self.group.is_main
         if main:
             summary = summary_lines(
-                config, self.data, self.setup.trainable, group.device, self.precision,
+                self.config, self.data, self.setup.trainable, group.device, self.precision,
                 group.world, state.step,
             )  # fmt: skip
             print("\n".join(summary))
-            metrics = MetricsLogger(
-                self.run_dir, log.jsonl, log.tensorboard, state.step,
-                wandb=log.wandb, config=config_to_dict(config),
+        with self.metrics_logger() as metrics:  # closed (quietly, after an error) at the end
+            interrupted = self.train_loop(metrics)
+        self.guard.settle()
+        report(state, time.perf_counter() - self.started, interrupted, self.last_checkpoint)
+        summarize = getattr(self.setup.method, "summarize", None)
+        if main and summarize is not None:
+            summarize(self.run_dir)
+        if state.images_bad:
+            print(f"impasto: the skipped images and why: {self.data.bad_data.path}")
+        return TrainResult(self.run_dir, state, self.last_checkpoint, interrupted)
+
+    def metrics_logger(self) -> contextlib.AbstractContextManager[MetricsLogger | None]:
+        """The metrics sinks (rank 0; None on the other ranks, and when a full disk kept them
+        from opening: the run then stops at the end of the first step)."""
+        if not self.group.is_main:
+            return contextlib.nullcontext()
+        log, step = self.config.log, self.state.step
+        with self.writes.deferred():
+            return MetricsLogger(
+                self.run_dir, log.jsonl, log.tensorboard, step,
+                wandb=log.wandb, config=config_to_dict(self.config),
             )  # fmt: skip
+        return contextlib.nullcontext()
+
+    def train_loop(self, metrics: MetricsLogger | None) -> bool:
+        """Step until the last step or a signal, logging, validating and saving as due;
+        returns whether a signal stopped it."""
+        config, state, total, log = self.config, self.state, self.data.total_steps, self.config.log
+        stop, main = self.stop, self.group.is_main
         self.profiler = profiler = StepProfiler(log.profile, self.run_dir, main)
         progress = RunProgress(
             run_clock(config, total), state.step, main, log.progress_bar, log.every_steps
@@ -259,9 +297,14 @@ class Trainer:
                 progress.log(state.step, values)
             # One record per step: the training values (logging steps) and the validation's.
             self.log(metrics, (values or {}) | self.check(metrics, progress))
-            # The ranks stop together: a signal seen by any of them stops all at this step;
+            # The ranks stop together: a signal seen by any of them stops all at this step
+            # (saving), a write that found the disk full too (without: no room to save);
             # rank 0's clock decides a checkpoint by time (checkpoint.every_minutes).
-            interrupted, timely = self.group.any(stop.requested, self.save_is_due_by_time())
+            interrupted, timely, full = self.group.any(
+                stop.requested, self.save_is_due_by_time(), self.writes.failed
+            )
+            if full:
+                raise self.writes.stop(self.group, self.run_dir, self.run_dir / CHECKPOINTS)
             if self.sharded is not None:
                 self.last_checkpoint = self.sharded.poll() or self.last_checkpoint
             if self.should_save() or timely or interrupted:
@@ -272,23 +315,16 @@ class Trainer:
         if self.sharded is not None:
             self.last_checkpoint = self.sharded.wait() or self.last_checkpoint
         self.sync_counts()
+        self.writes.check(self.group, self.run_dir, self.run_dir / CHECKPOINTS)
         progress.close()
         profiler.close()
-        if metrics is not None:
-            metrics.close()
-        self.guard.settle()
-        report(state, time.perf_counter() - self.started, interrupted, self.last_checkpoint)
-        summarize = getattr(self.setup.method, "summarize", None)
-        if main and summarize is not None:
-            summarize(self.run_dir)
-        if state.images_bad:
-            print(f"impasto: the skipped images and why: {self.data.bad_data.path}")
-        return TrainResult(self.run_dir, state, self.last_checkpoint, interrupted)
+        return interrupted
 
     def log(self, metrics: MetricsLogger | None, values: dict[str, float]) -> None:
         """Write one record of this step (rank 0), with the run's training time so far."""
         if metrics is not None and values:
-            metrics.log(self.state.step, values | {"elapsed_s": self.clock.elapsed()})
+            with self.writes.deferred():
+                metrics.log(self.state.step, values | {"elapsed_s": self.clock.elapsed()})
 
     def check(
         self, metrics: MetricsLogger | None, progress: RunProgress, baseline: bool = False
@@ -336,20 +372,27 @@ class Trainer:
 
     def sync_counts(self) -> None:
         """Add every rank's samples and unusable images since the last sync to the run's
-        counters, and (rank 0) the unusable ones to the bad-data report: collective, on
-        logging and saving steps and at the end."""
+        counters, and (rank 0) the unusable ones and the re-encoded text embeddings to the
+        bad-data report: collective, on logging and saving steps and at the end."""
         unsynced, self.unsynced = self.unsynced, UnsyncedCounts()
-        attempted, bad, samples = self.group.sum(unsynced.attempted, unsynced.bad, unsynced.samples)
+        attempted, bad, reencoded, samples = self.group.sum(
+            unsynced.attempted, unsynced.bad, len(unsynced.reencoded), unsynced.samples
+        )
         self.state.samples_seen += samples
         self.state.images_attempted += attempted
-        skipped = unsynced.skipped
+        skipped, notes = unsynced.skipped, unsynced.reencoded
         if bad and self.group.world > 1:  # (bad is the sum: every rank gathers, or none)
             skipped = [item for part in self.group.gather(skipped) for item in part]
+        if reencoded and self.group.world > 1:
+            notes = [item for part in self.group.gather(notes) for item in part]
         # Each bad item counts once, whichever rank met it and however often: the counted
-        # names are part of the checkpointed counters, so a resumed run counts alike.
+        # names are part of the checkpointed counters, so a resumed run counts alike. A
+        # re-encoded text embedding is reported, not counted: its image was trained on.
         self.state.count_bad(item.name for item in skipped)
-        if self.group.is_main:
-            self.data.bad_data.record(skipped)
+        if self.group.is_main and (skipped or notes):
+            path = self.data.bad_data.path or self.run_dir
+            with self.writes.deferred(), writing(path, "bad_data.write"):
+                self.data.bad_data.record([*skipped, *notes])
 
     def step(self) -> dict[str, float] | None:
         """One optimizer step; returns the metrics on logging steps (the only host syncs)."""
@@ -411,7 +454,7 @@ class Trainer:
         for micro in range(accum):
             with self.meter.waiting():
                 batch = next(self.data.stream)
-            self.unsynced.add(config.data.batch_size, batch.num_bad, batch.skipped)
+            self.unsynced.add(config.data.batch_size, batch.num_bad, batch.skipped, batch.reencoded)
             self.check_bad_fraction()
             # This micro-batch is slot micro × world + rank of the step's global batch (the
             # order the data stream hands them out in). The method draws for the whole global
@@ -460,14 +503,15 @@ class Trainer:
         returns what the method measures on it (rank 0; nothing elsewhere)."""
         step = self.state.step
         with self.sampling_weights():
-            validation = write_validation_grid(
-                self.config, self.setup.backbone, self.run_dir, step, self.group.is_main,
-                self.prompts,
-            )  # fmt: skip
+            validation = render_validation_grid(
+                self.config, self.setup.backbone, self.run_dir, step, self.prompts
+            )
         if metrics is None:
             return {}
-        metrics.log_image("samples", validation.grid, step)
-        progress.write(f"impasto: samples at step {step}: {validation.path}")
+        with self.writes.deferred():
+            validation.save()
+            metrics.log_image("samples", validation.grid, step)
+            progress.write(f"impasto: samples at step {step}: {validation.path}")
         return self.validation_metrics(validation)
 
     def measures_validation(self) -> bool:
@@ -532,11 +576,15 @@ class UnsyncedCounts:
     bad: int = 0
     samples: int = 0  # trained on
     skipped: list[Skipped] = field(default_factory=list)
+    reencoded: list[Reencoded] = field(default_factory=list)  # damaged cached text embeddings
 
-    def add(self, attempted: int, bad: int, skipped: list[Skipped]) -> None:
+    def add(
+        self, attempted: int, bad: int, skipped: Sequence[Skipped], reencoded: Sequence[Reencoded]
+    ) -> None:
         self.attempted += attempted
         self.bad += bad
         self.skipped.extend(skipped)
+        self.reencoded.extend(reencoded)
 
 
 def batch_shapes(batch: Batch) -> tuple:

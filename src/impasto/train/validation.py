@@ -18,10 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
 from impasto.config import Config
 from impasto.config.schema import SampleConfig
+from impasto.faults import writing
 from impasto.inference import model_sampling_options
 from impasto.models.backbone import Backbone
 from impasto.sampling import generate
@@ -105,15 +107,22 @@ def grid_columns(num_prompts: int, images_per_prompt: int) -> int:
 
 @dataclass(frozen=True)
 class ValidationGrid:
-    """One validation round: where the grid went, the labelled grid ``[3, H, W]`` in [0, 1],
+    """One validation round: where the grid goes, the labelled grid ``[3, H, W]`` in [0, 1],
     the images as generated (``[N, 3, h, w]``; a list of ``[3, h_i, w_i]`` when a prompt file
-    gives prompts different sizes), and the prompt of each image (``images_per_prompt``
-    consecutive images per prompt)."""
+    gives prompts different sizes), the prompt of each image (``images_per_prompt``
+    consecutive images per prompt) and the grid as drawn (what the PNG file holds)."""
 
     path: Path
     grid: Tensor
     images: Tensor | list[Tensor]
     prompts: list[str]
+    drawn: Image.Image
+
+    def save(self) -> None:
+        """Write the PNG file (rank 0 of a parallel run)."""
+        with writing(self.path, "samples.write"):  # a full disk fails PIL's close(), unnamed
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.drawn.save(self.path)
 
 
 def write_validation_grid(
@@ -124,9 +133,23 @@ def write_validation_grid(
     save: bool = True,
     prompts: list[SamplePrompt] | None = None,
 ) -> ValidationGrid:
-    """Render the grid and save it as ``RUN/samples/step-XXXXXXXX.png``.
-    ``save``: write the file (rank 0 of a parallel run; every rank renders, in lockstep).
-    ``prompts``: :func:`validation_prompts` read once by the caller; None reads them now."""
+    """Render the grid (:func:`render_validation_grid`) and, if ``save``, write it."""
+    validation = render_validation_grid(config, backbone, run_dir, step, prompts)
+    if save:
+        validation.save()
+    return validation
+
+
+def render_validation_grid(
+    config: Config,
+    backbone: Backbone,
+    run_dir: Path,
+    step: int,
+    prompts: list[SamplePrompt] | None = None,
+) -> ValidationGrid:
+    """Render the grid of ``RUN/samples/step-XXXXXXXX.png`` (every rank of a parallel run, in
+    lockstep). ``prompts``: :func:`validation_prompts` read once by the caller; None reads
+    them now."""
     per_prompt = config.sample.images_per_prompt
     if prompts is None:
         prompts = validation_prompts(config.sample)
@@ -139,15 +162,12 @@ def write_validation_grid(
     ]
     header = f"{run_dir.name}  step {step}"
     grid = labelled_grid(images, labels, header, grid_columns(len(prompts), per_prompt)).image
-    path = run_dir / "samples" / f"step-{step:08d}.png"
-    if save:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        grid.save(path)
     chw = torch.from_numpy(np.asarray(grid).copy()).permute(2, 0, 1).float() / 255.0
     same_size = len({tuple(image.shape) for image in images}) == 1
     return ValidationGrid(
-        path,
+        run_dir / "samples" / f"step-{step:08d}.png",
         chw,
         torch.stack(images) if same_size else images,
         [label.prompt for label in labels],
+        grid,
     )

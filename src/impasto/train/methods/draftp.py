@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from impasto.data import Batch
+from impasto.faults import writing
 from impasto.inference import model_sampling_options
 from impasto.logging import METRICS_FILE
 from impasto.models.backbone import Backbone
@@ -285,7 +286,8 @@ class DraftpMethod:
         if summary is None:
             return None
         path = run_dir / SUMMARY_FILE
-        path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        with writing(path):
+            path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         print(f"impasto: draftp: {describe(summary)} ({path})")
         return summary
 
