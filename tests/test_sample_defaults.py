@@ -126,7 +126,9 @@ def test_prompt_mistakes_are_one_line_before_the_model_loads(run, tmp_path, caps
     bad.write_text("a cat\na dog --steps 4\n", encoding="utf-8")
     assert main(["sample", str(run), "--prompts-file", str(bad), "--out", out]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"impasto: error: {bad}:2: unknown option --steps; valid: --n, --w")
+    assert err.startswith(
+        f"impasto: error: --prompts-file {bad}:2: unknown option --steps; valid: --n, --w"
+    )
     assert err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 

@@ -89,6 +89,9 @@ def test_an_exported_model_has_no_ema_and_no_base_to_anneal(tiny_raw, tmp_path, 
     assert main([*args, "--out", out]) == 2
     assert "does not name its base" in capsys.readouterr().err
     assert main(["sample", str(tmp_path / "nothing.bin"), "--prompt", "x", "--out", out]) == 2
+    assert "nothing.bin: does not exist; check the path" in capsys.readouterr().err
+    (tmp_path / "nothing.bin").write_bytes(b"\0" * 8)
+    assert main(["sample", str(tmp_path / "nothing.bin"), "--prompt", "x", "--out", out]) == 2
     assert "a diffusers SDXL folder (model_index.json)" in capsys.readouterr().err
 
 
