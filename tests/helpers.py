@@ -1,10 +1,14 @@
-"""Small helpers several test modules share: bitwise comparison of checkpoint contents and
-in-memory tar files."""
+"""Small helpers several test modules share: bitwise comparison of checkpoint contents,
+in-memory tar files and bit rot in a cache shard."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
+import struct
 import tarfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,3 +40,16 @@ def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
             info.size = len(data)
             archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
+
+
+def rot_entry(shard: Path, name: str) -> None:
+    """Flip bytes inside entry ``name``'s tensor data, keeping the shard's size and times (bit
+    rot: the fill trusts the shard, the reader's checksum catches the entry)."""
+    data = bytearray(shard.read_bytes())
+    header_size = struct.unpack("<Q", data[:8])[0]
+    begin, _ = json.loads(data[8 : 8 + header_size])[name]["data_offsets"]
+    start = 8 + header_size + begin
+    data[start : start + 16] = bytes(byte ^ 0xFF for byte in data[start : start + 16])
+    stat = shard.stat()
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))

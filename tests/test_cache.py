@@ -6,14 +6,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import rot_entry
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
@@ -301,19 +300,6 @@ def test_repeated_records_are_hashed_once(tmp_path, folder, monkeypatch) -> None
     records, ids = identify_images(config, load_records(config))
     assert len(records) == 30 and len(calls) == 10
     assert ids[0] == ids[1] == ids[2] != ids[3] and records[2].size == (ids[2].height, ids[2].width)
-
-
-def rot_entry(shard: Path, name: str) -> None:
-    """Flip bytes inside entry ``name``'s tensor data, keeping the shard's size and times (bit
-    rot: the fill trusts the shard, the reader's checksum catches the entry)."""
-    data = bytearray(shard.read_bytes())
-    header_size = struct.unpack("<Q", data[:8])[0]
-    begin, _ = json.loads(data[8 : 8 + header_size])[name]["data_offsets"]
-    start = 8 + header_size + begin
-    data[start : start + 16] = bytes(byte ^ 0xFF for byte in data[start : start + 16])
-    stat = shard.stat()
-    shard.write_bytes(bytes(data))
-    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
 def test_a_damaged_text_entry_is_encoded_on_the_fly_and_reported_once(tmp_path, folder) -> None:

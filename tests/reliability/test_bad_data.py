@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import tar_bytes
+from helpers import rot_entry, tar_bytes
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -528,19 +528,6 @@ def test_a_rotten_entry_is_skipped_and_reported_then_encoded_again(tmp_path, dem
     _, third = fill()
     assert third.unchecked_shards == 1 and third.damaged_shards == []
     assert "1 shard(s) were written without checksums" in third.format()
-
-
-def rot_entry(shard: Path, name: str) -> None:
-    """Flip bytes inside one entry's tensor data, keeping the shard's size and times (bit rot:
-    the fill trusts the shard, training's checksum catches the entry)."""
-    data = bytearray(shard.read_bytes())
-    header_size = struct.unpack("<Q", data[:8])[0]
-    begin, _ = json.loads(data[8 : 8 + header_size])[name]["data_offsets"]
-    start = 8 + header_size + begin
-    data[start : start + 16] = bytes(byte ^ 0xFF for byte in data[start : start + 16])
-    stat = shard.stat()
-    shard.write_bytes(bytes(data))
-    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
 def test_a_rotten_text_embedding_is_reencoded_and_reported_once(tmp_path, demo_folder, capsys):
