@@ -7,6 +7,23 @@ from typing import Any
 
 import pytest
 
+# The areas of `-m AREA` (pyproject.toml registers them), by test file.
+AREAS = {
+    "demo": ("test_demo.py", "test_draftp_demo.py"),
+    "distributed": ("test_parallel.py", "test_distributed_order.py", "test_rank_split.py"),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its area: ``python -m pytest -m reliability`` runs one."""
+    for item in items:
+        path = Path(str(item.path))
+        if "reliability" in path.parts:
+            item.add_marker(pytest.mark.reliability)
+        for area, files in AREAS.items():
+            if path.name in files:
+                item.add_marker(getattr(pytest.mark, area))
+
 
 @pytest.fixture(scope="module")
 def tiny():

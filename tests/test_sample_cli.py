@@ -112,3 +112,36 @@ def test_sample_config_requires_prompts(tiny_raw):
     tiny_raw["sample"] = {"sampler": "heun"}
     with pytest.raises(ValueError, match="sample.sampler: unknown name 'heun'"):
         impasto.build_config(tiny_raw)
+
+
+def test_sample_with_no_prompt_draws_the_runs_validation_grid(sampled_run, tmp_path, capsys):
+    """`impasto sample RUN` alone draws the grid's prompts with its seeds, sampler, steps and
+    guidance: the same images as the grid of the same checkpoint (issue #30)."""
+    from impasto.checkpoint.trained import load_trained
+    from impasto.sampling.grid import to_pixels
+    from impasto.train.validation import render_validation_grid
+
+    assert main(["sample", str(sampled_run), "--out", str(tmp_path)]) == 0
+    written = [Path(line) for line in capsys.readouterr().out.split()]
+    seeds = [int(path.stem.rsplit("seed", 1)[1]) for path in written]
+    assert seeds == [0, 1, 2, 3]  # prompt p's image i: seed + 2p + i, as in the grid
+    config, backbone = load_trained(sampled_run)
+    grid = render_validation_grid(config, backbone, tmp_path, 4)
+    assert grid.prompts == [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    for path, image in zip(written, grid.images, strict=True):
+        with Image.open(path) as sampled:
+            difference = np.abs(np.asarray(sampled, np.int16) - to_pixels(image).astype(np.int16))
+        assert difference.max() <= 2, path  # the grid samples 2 prompts per batch, sample 1
+    assert main(["sample", str(sampled_run), "--out", str(tmp_path / "one"), "--num", "1"]) == 0
+    assert [p.name.rsplit("seed", 1)[1] for p in sorted((tmp_path / "one").iterdir())] == [
+        "0.png", "2.png"
+    ]  # fmt: skip
+
+
+def test_sample_with_no_prompt_of_a_run_without_prompts_is_one_line(tiny_raw, tmp_path, capsys):
+    run = train(build_config(tiny_raw | {"train": tiny_raw["train"] | {"max_steps": 1}}))
+    assert main(["sample", str(run.run_dir), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"impasto: error: no prompt to sample: {run.run_dir} names no validation prompts "
+        "(sample.prompts); give --prompt TEXT or --prompts-file FILE"
+    ]

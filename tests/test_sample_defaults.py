@@ -120,7 +120,8 @@ def test_prompt_mistakes_are_one_line_before_the_model_loads(run, tmp_path, caps
     out = str(tmp_path / "out")
     assert main(["sample", str(run), "--out", out]) == 2
     assert (
-        "no prompt to sample; give --prompt TEXT or --prompts-file FILE" in capsys.readouterr().err
+        f"no prompt to sample: {run} names no validation prompts (sample.prompts); give "
+        "--prompt TEXT or --prompts-file FILE" in capsys.readouterr().err
     )
     bad = tmp_path / "bad.txt"
     bad.write_text("a cat\na dog --steps 4\n", encoding="utf-8")

@@ -197,3 +197,16 @@ def test_guided_output_rescales_the_models_own_output_only_when_phi_is_set(monke
 
     monkeypatch.setattr("impasto.sampling.guidance.rescale_cfg", no_rescale)
     assert torch.equal(guided_output(model, x, t, "c", "uc", 5.0, rescale=0.0), plain)
+
+
+@pytest.mark.parametrize(
+    ("num_prompts", "per_prompt", "columns"),
+    [(9, 1, 3), (9, 2, 6), (9, 4, 8), (9, 8, 8), (9, 12, 12), (1, 2, 2), (2, 1, 2), (30, 1, 6)],
+)
+def test_a_grid_holds_a_prompts_seeds_in_one_row_and_stays_about_square(
+    num_prompts: int, per_prompt: int, columns: int
+):
+    from impasto.train.validation import grid_columns
+
+    assert grid_columns(num_prompts, per_prompt) == columns
+    assert columns % per_prompt == 0  # every row starts with a prompt's first image

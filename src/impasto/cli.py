@@ -243,7 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="RUN directory (newest checkpoint), RUN/checkpoints/step-N, an exported "
         "single-file .safetensors or a diffusers SDXL folder",
     )
-    sample.add_argument("--prompt", action="append", help="repeatable")
+    sample.add_argument(
+        "--prompt",
+        action="append",
+        help="repeatable; with neither --prompt nor --prompts-file, a run's validation prompts "
+        "with the seeds of its grid",
+    )
     sample.add_argument(
         "--prompts-file",
         metavar="FILE",
@@ -252,7 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sample.add_argument("--negative", help="negative prompt (default: sample.negative_prompt)")
     sample.add_argument(
-        "--num", type=int, default=1, help="images per prompt (seeds seed, seed+1, ...)"
+        "--num",
+        type=int,
+        help="images per prompt (seeds seed, seed+1, ...); default 1, or with no --prompt the "
+        "run's sample.images_per_prompt",
     )
     sample.add_argument(
         "--batch-size",

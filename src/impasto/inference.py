@@ -19,7 +19,12 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from torch import Tensor
 
-from impasto.checkpoint.trained import build_starting_backbone
+from impasto.checkpoint.trained import (
+    build_starting_backbone,
+    is_run_checkpoint,
+    read_checkpoint_config,
+    resolve_checkpoint,
+)
 from impasto.config import Config
 from impasto.models.backbone import Backbone
 from impasto.models.parts import has_adapters, without_adapters
@@ -27,7 +32,12 @@ from impasto.objectives import training_alphas_cumprod
 from impasto.sample_source import SamplingModel, open_model
 from impasto.sampling import generate, model_forward, to_pil
 from impasto.sampling.anneal import Annealing, ModelForward, anneal_weights
-from impasto.sampling.prompt_file import PromptOptions, SamplePrompt, read_prompt_file
+from impasto.sampling.prompt_file import (
+    PromptOptions,
+    SamplePrompt,
+    listed_prompts,
+    read_prompt_file,
+)
 
 
 def model_sampling_options(config: Config | SamplingModel, spacing: str | None = None) -> dict:
@@ -57,7 +67,8 @@ class SampleRequest:
 
     prompts: tuple[str, ...] = ()
     prompts_file: str | None = None  # more prompts, after ``prompts``, with their own options
-    num_images: int = 1  # per prompt; image i of a prompt uses seed + i
+    num_images: int | None = None  # per prompt (image i uses seed + i); None: 1, or for a run's
+    # own validation prompts its sample.images_per_prompt
     batch_size: int = 1  # images generated (and held in memory) at once
     captions: bool = False  # write each image's prompt beside it as NAME.txt
     negative_prompt: str | None = None
@@ -72,12 +83,11 @@ class SampleRequest:
     anneal: str | None = None  # annealed guidance with the base model (sampling/anneal.py)
 
     def all_prompts(self) -> list[SamplePrompt]:
-        """The command line's prompts, then the prompt file's (read now: errors come early)."""
+        """The command line's prompts, then the prompt file's (read now: errors come early);
+        none: the run's validation prompts (:func:`validation_request`)."""
         prompts = [SamplePrompt(text) for text in self.prompts]
         if self.prompts_file is not None:
             prompts += read_prompt_file(self.prompts_file, setting="--prompts-file")
-        if not prompts:
-            raise ValueError("no prompt to sample; give --prompt TEXT or --prompts-file FILE")
         return prompts
 
     def prompt_defaults(self, model: SamplingModel) -> PromptOptions:
@@ -108,10 +118,37 @@ class SampleRequest:
             sampler=self.sampler or model.sample.sampler,
             guidance_rescale=model.sample.guidance_rescale if rescale is None else rescale,
             spacing=self.spacing,
-            num_images=self.num_images,
+            num_images=1 if self.num_images is None else self.num_images,
             batch_size=self.batch_size,
             anneal=self.anneal,
         )
+
+
+def validation_request(
+    request: SampleRequest, config: Config | None, source: str | Path
+) -> tuple[list[SamplePrompt], SampleRequest]:
+    """A request without prompts draws the run's validation grid: its ``sample.prompts`` and
+    ``sample.prompts_file``, ``sample.images_per_prompt`` images each (``--num`` overrides),
+    with the grid's seeds (prompt p's image i: seed + p·n + i, n the run's images per prompt,
+    unless its line sets ``--d``), so the images equal the grid's at the same step (issue
+    #30)."""
+    sample = None if config is None else config.sample
+    prompts = [] if sample is None else listed_prompts(sample.prompts, sample.prompts_file)
+    if not prompts:
+        raise ValueError(
+            f"no prompt to sample: {source} names no validation prompts (sample.prompts); give "
+            "--prompt TEXT or --prompts-file FILE"
+        )
+    per_prompt = sample.images_per_prompt if request.num_images is None else request.num_images
+    seed = sample.seed if request.seed is None else request.seed
+    step = sample.images_per_prompt  # the grid's seeds, whatever --num asks
+    seeded = [
+        replace(prompt, options=replace(prompt.options, seed=seed + index * step))
+        if prompt.options.seed is None
+        else prompt
+        for index, prompt in enumerate(prompts)
+    ]
+    return seeded, replace(request, num_images=per_prompt)
 
 
 def _slug(text: str) -> str:
@@ -223,12 +260,19 @@ def sample_checkpoint(
     DreamBooth's class images). ``request.anneal`` mixes in the base model
     (:func:`base_model_forward`) with that schedule.
     """
-    if request.num_images < 1 or request.batch_size < 1:
+    if (request.num_images is not None and request.num_images < 1) or request.batch_size < 1:
         raise ValueError(
             f"--num and --batch-size must be >= 1, got {request.num_images} and "
             f"{request.batch_size}"
         )
     prompts = request.all_prompts()  # a bad prompt file or spec fails before loading
+    if not prompts:  # the run's validation prompts, read before the model loads
+        config = (
+            read_checkpoint_config(resolve_checkpoint(checkpoint))
+            if is_run_checkpoint(checkpoint)
+            else None
+        )
+        prompts, request = validation_request(request, config, checkpoint)
     if request.anneal is not None:
         anneal_weights(request.anneal, 1)
     model = open_model(checkpoint, ema=request.ema)

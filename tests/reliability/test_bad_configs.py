@@ -214,8 +214,11 @@ WRONG_VALUES: list[tuple[str, Any, str]] = [
     ("data.resolution", 1e9, "data.resolution: input should be less than or equal to 16384"),
     ("sample.resolution", 12, "sample.resolution: must be a multiple of 8"),
     ("sample.guidance_rescale", 1.5, "sample.guidance_rescale: input should be less than or eq"),
-    ("sample.prompts_file", "/nonexistent/p.txt",
-     "sample.prompts_file: /nonexistent/p.txt: does not exist"),
+    (
+        "sample.prompts_file",
+        "/nonexistent/p.txt",
+        "sample.prompts_file: /nonexistent/p.txt: does not exist",
+    ),
     ("draftp.resolution", 100, "draftp.resolution: must be a multiple of 8"),
     ("data.batch_size", 10_000_000, "data.batch_size: input should be less than or equal to"),
     ("data.batch_size", "yes", "data.batch_size: input should be a valid integer"),

@@ -31,7 +31,7 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -205,3 +205,13 @@ def read_prompt_file(path: str | Path, setting: str | None = None) -> list[Sampl
     if not prompts:
         raise ValueError(f"{name}: holds no prompt; write one per line ('#' starts a comment)")
     return prompts
+
+
+def listed_prompts(prompts: Sequence[str], prompts_file: str | Path | None) -> list[SamplePrompt]:
+    """``prompts``, then the lines of ``prompts_file`` (a run's ``sample.prompts`` and
+    ``sample.prompts_file``: its validation grid, and ``impasto sample RUN`` without a
+    prompt)."""
+    found = [SamplePrompt(text) for text in prompts]
+    if prompts_file is not None:
+        found += read_prompt_file(prompts_file)
+    return found

@@ -28,15 +28,12 @@ from impasto.inference import model_sampling_options
 from impasto.models.backbone import Backbone
 from impasto.sampling import generate
 from impasto.sampling.grid import CellLabel, labelled_grid
-from impasto.sampling.prompt_file import PromptOptions, SamplePrompt, read_prompt_file
+from impasto.sampling.prompt_file import PromptOptions, SamplePrompt, listed_prompts
 
 
 def validation_prompts(sample: SampleConfig) -> list[SamplePrompt]:
     """``sample.prompts``, then the prompts of ``sample.prompts_file``."""
-    prompts = [SamplePrompt(text) for text in sample.prompts]
-    if sample.prompts_file is not None:
-        prompts += read_prompt_file(sample.prompts_file)
-    return prompts
+    return listed_prompts(sample.prompts, sample.prompts_file)
 
 
 @dataclass(frozen=True)
@@ -100,9 +97,17 @@ def sample_batches(config: Config, backbone: Backbone, batches: list[PromptBatch
     return images
 
 
+MAX_GRID_COLUMNS = 8  # cells per row of a validation grid: 8 cells of 256 px fit a screen
+
+
 def grid_columns(num_prompts: int, images_per_prompt: int) -> int:
-    """One row per prompt when there are several images per prompt, else a near-square grid."""
-    return images_per_prompt if images_per_prompt > 1 else math.ceil(math.sqrt(num_prompts))
+    """Columns of a validation grid: a prompt's images (its seeds) side by side in one row,
+    and as many prompts per row as make the grid about square (9 prompts: 3x3; with 2 images
+    each, 3 prompts per row: 6x3), at most :data:`MAX_GRID_COLUMNS` cells unless one prompt's
+    images need more (issue #30: a tall column of 9 rows was unreadable)."""
+    per_row = math.ceil(math.sqrt(num_prompts / images_per_prompt))
+    per_row = max(1, min(per_row, MAX_GRID_COLUMNS // images_per_prompt, num_prompts))
+    return per_row * images_per_prompt
 
 
 @dataclass(frozen=True)
