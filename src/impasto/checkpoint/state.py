@@ -37,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from impasto.faults import DISK_FULL_ERRNOS, fault_point
+from impasto.faults import fault_point, is_disk_full_error
 from impasto.permissions import apply_umask
 
 PREFIX = "step-"
@@ -181,7 +181,7 @@ def check_free_space(root: Path, name: str, needed: int) -> None:
 def is_disk_full(error: Exception, root: Path) -> bool:
     """Whether a failed write failed for want of space: ENOSPC / EDQUOT, or a writer that hides
     the errno (torch.save's zip writer says "unexpected pos") on a disk now (almost) full."""
-    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+    if is_disk_full_error(error):  # ENOSPC / EDQUOT, itself or as a wrapped cause
         return True
     if "No space left" in str(error) or "os error 28" in str(error):
         return True

@@ -108,8 +108,9 @@ def build_config(raw: dict[str, Any], base: str | Path | None = None) -> Config:
     except ValidationError as error:
         raise ConfigError("\n".join(_describe_all(error))) from None
     base = Path.cwd() if base is None else Path(base).absolute()
-    resolved = resolve_paths(config_to_dict(config), Config, base)
-    return config if resolved == config_to_dict(config) else Config.model_validate(resolved)
+    dumped = config_to_dict(config)
+    resolved = resolve_paths(dumped, Config, base)
+    return config if resolved == dumped else Config.model_validate(resolved)
 
 
 # Keys that name the same thing two ways: setting one with --set drops the other from the file,
