@@ -6,6 +6,8 @@
 another in the same processes (the process group is started once, so each run's setup is the
 only cost). ``IMPASTO_TEST_KILL`` = ``RANK:STEP`` makes that rank SIGKILL itself after that
 step on the job's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): a crash mid-run.
+``IMPASTO_TEST_SLOW_SPACE_CHECK`` = ``SECONDS`` makes rank 0 take that long to check the free
+space before each sharded save: a loaded machine, or a slow shared filesystem.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -43,9 +46,25 @@ def kill_mid_run() -> None:
     Trainer.step = step_then_die
 
 
+def slow_space_check() -> None:
+    seconds = os.environ.get("IMPASTO_TEST_SLOW_SPACE_CHECK")
+    if not seconds or os.environ.get("RANK") != "0":
+        return
+    from impasto.checkpoint import sharded
+
+    check = sharded.check_free_space
+
+    def slowly(*args, **kwargs):
+        time.sleep(float(seconds))
+        return check(*args, **kwargs)
+
+    sharded.check_free_space = slowly
+
+
 def main(plan_file: str) -> None:
     torch.set_num_threads(1)
     kill_mid_run()
+    slow_space_check()
     plan = json.loads(open(plan_file, encoding="utf-8").read())
     launched = "RANK" in os.environ  # by torchrun (else one process: train() makes its group)
     if launched:

@@ -115,7 +115,9 @@ class ShardedCheckpointer:
                 tmp.mkdir()
             except DiskFullError as error:
                 problem = str(error)
-        self.stop_if_full(problem)
+        # Rank 0's verdict on every rank, before any rank's DCP writer makes the folder too
+        # (a rank 0 slower than its peers then found it made, and stopped the run).
+        self.stop_if_full(self.group.gather(problem)[0])
         state |= {"format": FORMAT, "layout": LAYOUT, MODEL_METADATA_KEY: model_metadata}
         pending = PendingSave(step, tmp, state, texts, needed)
         import torch.distributed.checkpoint as dcp
