@@ -152,7 +152,7 @@ def test_shipped_configs_name_folders_beside_configs(monkeypatch, tmp_path):
     assert demo.data.path == str(repo / "data" / "demo")
     assert demo.train.output_dir == str(repo / "runs" / "demo")
     draftp = load_config(repo / "configs" / "demo-draftp.yaml")
-    assert draftp.model.path == str(repo / "runs" / "demo")
+    assert draftp.model.path == str(repo / "runs" / "demo" / "checkpoints" / "step-00000500")
     assert draftp.data.prompts == str(repo / "configs" / "demo-draftp-prompts.txt")
     assert os.path.isfile(draftp.data.prompts)
 

@@ -24,15 +24,18 @@ from impasto.sampling.grid import CellLabel, labelled_grid
 DIGEST = hashlib.sha256(b"a purple triangle on a gray background").hexdigest()[:8]
 
 
-pytestmark = pytest.mark.slow  # trains the demo config (~7 min): `-m "not slow"` skips it
+pytestmark = pytest.mark.slow  # trains the demo config (~8 min): `-m "not slow"` skips it
 
 
 def test_demo_samples_follow_the_prompt(demo_run):
     score = score_demo_checkpoint(demo_run, images_per_prompt=4)
     assert score.num_images == 4 * len(DEMO_COLORS) * len(DEMO_SHAPES) >= 2 * 12
     print(f"demo: {score.as_dict()}")
-    assert score.color_accuracy >= 0.9
-    assert score.shape_accuracy >= 0.7
+    # Measured: here (one thread) 1.000 / 1.000; `impasto train` with 2 threads on seeds 0, 1, 2
+    # (docs/demo.md) colour 1.000 / 1.000 / 0.972, shape 1.000 each (72 images). The bars sit
+    # at least two images below the worst of them.
+    assert score.color_accuracy >= 0.94
+    assert score.shape_accuracy >= 0.94
 
 
 def test_demo_logs_a_falling_validation_loss(demo_run):

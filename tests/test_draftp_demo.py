@@ -1,12 +1,12 @@
 """DRaFT+ on the CPU demo, end to end (issue #15): ``configs/demo-draftp.yaml``, started from the
-demo run's checkpoint at half its steps (1,500 of 3,000), raises the demo judge's reward on the 9
+demo run's checkpoint at step 500 (of 3,000), raises the demo judge's reward on the 9
 held-out validation prompts and the model-free demo accuracy of its samples; the KL term stays
 bounded; a larger ``kl_coeff`` gains less.
 
 The demo run is conftest.py's ``demo_run`` (trained once per session, shared with
 tests/test_demo.py); the two 60-step DRaFT+ runs take ~2 minutes each: ``-m "not slow"`` skips
 it. The numbers depend on the order of floating-point sums, so on the thread count: they were
-measured with 2 threads (this machine's and CI's 2 cores, torch's default).
+measured with one thread, which the demo's tests use on any machine (conftest.py's DEMO_THREADS).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ QUIET = ["log.progress_bar=false", "log.tensorboard=false"]
 
 @pytest.fixture(scope="module")
 def base(demo_run) -> Path:
-    """The demo's checkpoint at half its steps: room to improve, as from a shorter run."""
-    return demo_run / "checkpoints" / "step-00001500"
+    """The demo's checkpoint at step 500: room to improve, as from a shorter run (from step
+    1,000 the held-out reward rose and fell back: benchmarks/RESULTS.md, 2026-11-27)."""
+    return demo_run / "checkpoints" / "step-00000500"
 
 
 def reward_tune(base: Path, out: Path, kl_coeff: float) -> TrainResult:
@@ -59,16 +60,16 @@ def tuned(base, tmp_path_factory) -> dict[float, Path]:
 
 def test_draftp_raises_the_held_out_reward_within_a_kl_leash(tuned):
     leashed, tight = held_out_rewards(tuned[0.2]), held_out_rewards(tuned[5.0])
-    print(f"draftp demo: held-out reward, kl 0.2: {leashed}; kl 5: {tight}")
+    kls = [row["kl"] for row in rows(tuned[0.2]) if "kl" in row]
+    print(f"draftp demo: held-out reward, kl 0.2: {leashed}; kl 5: {tight}; max KL {max(kls)}")
     assert len(leashed) == len(tight) == 3  # before the first step, at 30 and at 60
     assert leashed[0] == tight[0]  # the same base, the same validation noise
     gain = leashed[-1] - leashed[0]
-    # Measured (2 threads): kl 0.2: -1.48 -> -1.23 -> -1.09 (gain 0.39); kl 5: -1.48 -> -1.28
-    # -> -1.23 (0.25).
-    assert gain >= 0.2
+    # Measured (1 thread): kl 0.2: -4.41 -> -3.36 -> -2.94 (gain 1.47); kl 5: -4.41 -> -4.07
+    # -> -4.18 (0.23).
+    assert gain >= 0.5
     assert tight[-1] - tight[0] < gain  # a tighter leash gains less
-    kls = [row["kl"] for row in rows(tuned[0.2]) if "kl" in row]
-    assert max(kls) < 0.05  # measured: 0.006
+    assert max(kls) < 0.05  # measured: 0.025
     diversity = [row["val/diversity"] for row in rows(tuned[0.2]) if "val/diversity" in row]
     assert min(diversity) > 0.5 * diversity[0]  # no collapse to one image per prompt
 
@@ -77,7 +78,7 @@ def test_draftp_raises_the_demo_accuracy(base, tuned):
     before = score_demo_checkpoint(base, images_per_prompt=4)
     after = score_demo_checkpoint(tuned[0.2], images_per_prompt=4)
     print(f"draftp demo: accuracy before {before.as_dict()}, after {after.as_dict()}")
-    # Measured (2 threads): colour 0.931 -> 0.958, shape 0.569 -> 0.653 (72 images each).
+    # Measured (1 thread): colour 0.681 -> 0.806, shape 0.514 -> 0.583 (72 images each).
     assert after.color_accuracy > before.color_accuracy
     assert after.color_accuracy + after.shape_accuracy > (
         before.color_accuracy + before.shape_accuracy
