@@ -30,6 +30,9 @@ UNACTIONABLE_LOGGERS = ("diffusers.models.modeling_utils", "transformers.utils.i
 UNACTIONABLE_MESSAGES = ("that should be kept in float32", "requires torchvision (not installed)")
 
 
+Subcommands = argparse._SubParsersAction  # what add_subparsers returns
+
+
 def _debug() -> bool:
     return bool(os.environ.get("IMPASTO_DEBUG"))
 
@@ -190,10 +193,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="impasto", description="Train SDXL-family models.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_train(sub: Subcommands) -> None:
+    """`impasto train CONFIG`: train or resume a run."""
     train = sub.add_parser("train", help="train or resume the run of a config file")
     train.add_argument("config", help="YAML config file")
     train.add_argument(
@@ -212,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=cmd_train)
 
+
+def _add_data(sub: Subcommands) -> None:
+    """`impasto data demo|preview`: dataset tools."""
     data = sub.add_parser("data", help="dataset tools").add_subparsers(
         dest="data_command", required=True
     )
@@ -232,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument("--num", type=int, default=16, help="examples to show (default 16)")
     preview.set_defaults(func=cmd_data_preview)
 
+
+def _add_sample(sub: Subcommands) -> None:
+    """`impasto sample CHECKPOINT`: generate images."""
     sample = sub.add_parser(
         "sample",
         help="generate images from a run, a checkpoint or an exported SDXL model",
@@ -312,12 +319,18 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", required=True, help="output folder for the PNGs")
     sample.set_defaults(func=cmd_sample)
 
+
+def _add_train_vae(sub: Subcommands) -> None:
+    """`impasto train-vae`: the tiny demo VAE."""
     from impasto.vae.cli import add_train_vae_arguments, cmd_train_vae
 
     train_vae = sub.add_parser("train-vae", help="train the tiny demo VAE on an image folder")
     add_train_vae_arguments(train_vae)
     train_vae.set_defaults(func=cmd_train_vae)
 
+
+def _add_inspect(sub: Subcommands) -> None:
+    """`impasto inspect objective CONFIG`: what a config's objective does per timestep."""
     inspect = sub.add_parser("inspect", help="show what a config does")
     inspect_sub = inspect.add_subparsers(dest="what", required=True)
     objective = inspect_sub.add_parser(
@@ -329,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     objective.add_argument("--plot", metavar="FILE.png", help="also draw the curves")
     objective.set_defaults(func=cmd_inspect_objective)
 
+
+def _add_export(sub: Subcommands) -> None:
+    """`impasto export CHECKPOINT`: formats other tools load."""
     export = sub.add_parser("export", help="write a checkpoint in a format other tools load")
     export.add_argument("checkpoint", help="a run directory or RUN/checkpoints/step-XXXXXXXX")
     export.add_argument(
@@ -353,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=cmd_export)
 
+
+def _add_runs(sub: Subcommands) -> None:
+    """`impasto runs list|summary|plot`: read runs back."""
     runs = sub.add_parser("runs", help="read runs back: list, summary, plot").add_subparsers(
         dest="runs_command", required=True
     )
@@ -367,7 +386,14 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", required=True, help="the PNG to write")
     plot.set_defaults(func=cmd_runs_plot)
 
+
+def _add_doctor(sub: Subcommands) -> None:
+    """`impasto doctor`: the environment."""
     sub.add_parser("doctor", help="report the environment").set_defaults(func=cmd_doctor)
+
+
+def _add_cache(sub: Subcommands) -> None:
+    """`impasto cache CONFIG`: fill the disk cache."""
     cache = sub.add_parser(
         "cache",
         help="fill the disk cache of latents and text embeddings (split across torchrun ranks)",
@@ -375,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("config", help="YAML config file (cache.latents / text_embeddings: disk)")
     cache.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value")
     cache.set_defaults(func=cmd_cache)
+
+
+def _add_bench(sub: Subcommands) -> None:
+    """`impasto bench`: the training step against the plain diffusers step."""
     bench = sub.add_parser(
         "bench", help="time the training step against the plain diffusers step (synthetic data)"
     )
@@ -401,6 +431,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc", type=int, help="processes for --parallel (default: the GPU count, 2 on CPU)"
     )
     bench.set_defaults(func=cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="impasto", description="Train SDXL-family models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _add_train,
+        _add_data,
+        _add_sample,
+        _add_train_vae,
+        _add_inspect,
+        _add_export,
+        _add_runs,
+        _add_doctor,
+        _add_cache,
+        _add_bench,
+    ):
+        add(sub)
     return parser
 
 
