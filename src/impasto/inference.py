@@ -35,6 +35,7 @@ from impasto.sampling.anneal import Annealing, ModelForward, anneal_weights
 from impasto.sampling.prompt_file import (
     PromptOptions,
     SamplePrompt,
+    grid_seeded,
     listed_prompts,
     read_prompt_file,
 )
@@ -141,13 +142,7 @@ def validation_request(
         )
     per_prompt = sample.images_per_prompt if request.num_images is None else request.num_images
     seed = sample.seed if request.seed is None else request.seed
-    step = sample.images_per_prompt  # the grid's seeds, whatever --num asks
-    seeded = [
-        replace(prompt, options=replace(prompt.options, seed=seed + index * step))
-        if prompt.options.seed is None
-        else prompt
-        for index, prompt in enumerate(prompts)
-    ]
+    seeded = grid_seeded(prompts, seed, sample.images_per_prompt)  # whatever --num asks
     return seeded, replace(request, num_images=per_prompt)
 
 

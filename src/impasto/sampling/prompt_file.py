@@ -215,3 +215,17 @@ def listed_prompts(prompts: Sequence[str], prompts_file: str | Path | None) -> l
     if prompts_file is not None:
         found += read_prompt_file(prompts_file)
     return found
+
+
+def grid_seeded(
+    prompts: Sequence[SamplePrompt], seed: int, images_per_prompt: int
+) -> list[SamplePrompt]:
+    """``prompts`` with the seeds of a validation grid: prompt p's first image has seed
+    ``seed + p·images_per_prompt`` unless its line sets one (``--d``). The grid and
+    ``impasto sample RUN`` without a prompt both seed this way, so they draw the same images."""
+    return [
+        prompt
+        if prompt.options.seed is not None
+        else replace(prompt, options=replace(prompt.options, seed=seed + index * images_per_prompt))
+        for index, prompt in enumerate(prompts)
+    ]

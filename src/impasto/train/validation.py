@@ -28,7 +28,12 @@ from impasto.inference import model_sampling_options
 from impasto.models.backbone import Backbone
 from impasto.sampling import generate
 from impasto.sampling.grid import CellLabel, labelled_grid
-from impasto.sampling.prompt_file import PromptOptions, SamplePrompt, listed_prompts
+from impasto.sampling.prompt_file import (
+    PromptOptions,
+    SamplePrompt,
+    grid_seeded,
+    listed_prompts,
+)
 
 
 def validation_prompts(sample: SampleConfig) -> list[SamplePrompt]:
@@ -50,9 +55,8 @@ def prompt_batches(
     """Group ``prompts`` into batches; prompt p's first image has seed ``defaults.seed +
     p·images_per_prompt`` unless its line sets one (``generate`` gives row i seed + i)."""
     batches: list[PromptBatch] = []
-    for index, prompt in enumerate(prompts):
-        seed = defaults.seed + index * images_per_prompt
-        options = prompt.options.over(replace(defaults, seed=seed))
+    for prompt in grid_seeded(prompts, defaults.seed, images_per_prompt):
+        options = prompt.options.over(defaults)
         if batches:
             last = batches[-1]
             follows = last.options.seed + len(last.prompts) * images_per_prompt == options.seed
