@@ -14,8 +14,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from impasto.bench import format_report, run_bench
-from impasto.bench_parallel import ParallelRequest, bench_rank
-from impasto.bench_step import ImpastoStep, bench_config, synthetic_batch
+from impasto.bench.parallel import ParallelRequest, bench_rank
+from impasto.bench.step import ImpastoStep, bench_config, synthetic_batch
 from impasto.cli import main
 from impasto.models.presets import build_tiny
 

@@ -16,7 +16,14 @@ from tiny_inputs import tiny_unet_output
 from impasto.checkpoint.trained import load_trained
 from impasto.cli import main
 from impasto.config import build_config
-from impasto.export import ExportOptions, export_checkpoint, merge_adapters
+from impasto.export import (
+    EXPORTERS,
+    ExportOptions,
+    export_checkpoint,
+    exporter_for,
+    merge_adapters,
+    register_exporter,
+)
 from impasto.models.io import to_pipeline
 from impasto.models.lora_kohya import from_kohya
 from impasto.models.presets import build_tiny
@@ -127,6 +134,20 @@ def test_bad_exports_are_one_line_errors(tiny_raw, tmp_path, capsys, args, messa
     code = main(["export", str(run), "--out", str(tmp_path / "x"), *args])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_exporters_are_registered_per_family():
+    assert set(EXPORTERS["sdxl"]) == {"single-file", "diffusers", "lora-kohya", "lora-diffusers"}
+    assert exporter_for("sdxl", "lora-kohya") is EXPORTERS["sdxl"]["lora-kohya"]
+    with pytest.raises(ValueError) as error:
+        exporter_for("sdxl", "ckpt")
+    message = str(error.value)
+    assert "\n" not in message and "unknown format 'ckpt' for model.family 'sdxl'" in message
+    assert message.endswith("valid: diffusers, single-file, lora-diffusers, lora-kohya")
+    with pytest.raises(ValueError, match="model.family 'toy', which has no export formats"):
+        exporter_for("toy", "diffusers")
+    with pytest.raises(ValueError, match="sdxl export format 'diffusers' is registered twice"):
+        register_exporter("sdxl", "diffusers")(lambda checkpoint, out, options: out)
 
 
 def test_single_file_export_loads_back_with_comfyui_markers_and_trains(tiny_raw, tmp_path):

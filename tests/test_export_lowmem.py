@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import impasto.export as export
+import impasto.export.sdxl as sdxl_export
 from impasto.config import build_config
 from impasto.export import ExportOptions, export_checkpoint
 from impasto.models.io import save_diffusers
@@ -59,14 +59,14 @@ def _assert_same_file(a: Path, b: Path) -> None:
 
 
 def _whole_model(monkeypatch) -> None:
-    monkeypatch.setattr(export, "loads_by_network", lambda *args: False)
+    monkeypatch.setattr(sdxl_export, "loads_by_network", lambda *args: False)
 
 
 def _by_network_only(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the export rebuilt the whole model")
 
-    monkeypatch.setattr(export, "load_trained", refuse)
+    monkeypatch.setattr(sdxl_export, "load_trained", refuse)
 
 
 @pytest.mark.parametrize("base", ["single-file", "diffusers"])

@@ -1,5 +1,5 @@
 """What ``impasto bench`` times, shared by the one-process bench (:mod:`impasto.bench`) and
-the parallel one (:mod:`impasto.bench_parallel`): the variants, their configs, a synthetic
+the parallel one (:mod:`impasto.bench.parallel`): the variants, their configs, a synthetic
 batch, and the trainer's step."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection
 from impasto.checkpoint.sharded import is_sharded
 from impasto.checkpoint.trained import copy_from_file, is_run_checkpoint, read_weights
 from impasto.config import Config
-from impasto.export_lora import adapter_parts
+from impasto.export.lora import adapter_parts
 from impasto.models import SDXLComponents, load_clip_tokenizers
 from impasto.models.io import TRANSFORMERS_DTYPE_KWARG, load_component, load_tokenizer
 from impasto.models.parts import ADAPTER_NAME, Part, load_part, peft_config

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from impasto.bench_step import (
+from impasto.bench.step import (
     VARIANTS,
     ImpastoStep,
     bench_config,
@@ -35,8 +35,8 @@ def time_each_step(
     """(seconds of each step, peak memory GiB or None on CPU) after ``warmup`` untimed steps.
 
     Each step ends with a device sync, so one step's time is its own (a little less overlap
-    than :func:`time_steps`, which syncs once): the parallel bench needs the spread per step
-    and the step time of the slowest rank, step by step."""
+    than :func:`impasto.bench.time_steps`, which syncs once): the parallel bench needs the
+    spread per step and the step time of the slowest rank, step by step."""
     for _ in range(warmup):
         step()
     sync_device(device)

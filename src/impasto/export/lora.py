@@ -43,7 +43,7 @@ from impasto.checkpoint.trained import (
     resolve_checkpoint,
 )
 from impasto.config import Config
-from impasto.export_metadata import kohya_metadata, modelspec_metadata, read_training_record
+from impasto.export.metadata import kohya_metadata, modelspec_metadata, read_training_record
 from impasto.models import SINGLE_FILE_SUFFIXES
 from impasto.models.lora_kohya import to_kohya
 from impasto.models.parts import ADAPTER_NAME

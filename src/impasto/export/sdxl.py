@@ -1,30 +1,13 @@
-"""``impasto export``: a trained checkpoint in the formats other tools load (docs/formats.md).
-
-- ``diffusers``: a ``StableDiffusionXLPipeline`` folder whose scheduler says how to sample the
-  model (v-prediction, zero terminal SNR and trailing spacing, or flow matching with its shift).
-- ``single-file``: one ``.safetensors`` in the original SGM layout (A1111, ComfyUI, Forge),
-  with ComfyUI's ``v_pred`` / ``ztsnr`` marker keys and SAI model-spec metadata.
-- ``lora-diffusers``: the adapters of a LoRA/DoRA run as ``pytorch_lora_weights.safetensors``,
-  names that ``pipe.load_lora_weights`` and ComfyUI's LoRA loader both read (:mod:`export_lora`).
-- ``lora-kohya``: the adapters of a LoRA run in kohya's layout (``lora_unet_…``, SGM names),
-  one ``.safetensors`` that ComfyUI, A1111 and Forge load.
-
-A LoRA run exports to the full-model formats only with ``merge=True`` (the adapters baked into
-the base weights). LoRA files carry kohya's ``ss_*`` training metadata (:mod:`export_metadata`).
-
-Memory (issue #17): the LoRA formats read the adapter tensors from the checkpoint and never build
-the model. The full-model formats rebuild it one network at a time where the base model is a
-file (:mod:`export_lowmem`), else whole in fp32; each network is cast to the export dtype in
-place, parameter by parameter, and files are written one tensor at a time: no second copy of
-the model is ever held. ``verbose`` reports the time and the process's peak memory.
+"""SDXL's exporters, registered under ``model.family`` ``sdxl`` (the formats are described in
+:mod:`impasto.export` and docs/formats.md): the full-model formats ``diffusers`` and
+``single-file`` with what they need (the run's model rebuilt as a plain SDXL in the export
+dtype, one network at a time where :mod:`impasto.export.lowmem` allows; the scheduler that
+samples it; ComfyUI's marker keys), and the LoRA formats ``lora-diffusers`` and ``lora-kohya``
+over :mod:`impasto.export.lora`.
 """
 
 from __future__ import annotations
 
-import resource
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,15 +22,16 @@ from impasto.checkpoint.trained import (
     resolve_checkpoint,
 )
 from impasto.config import Config
-from impasto.export_lora import (
+from impasto.export.base import DTYPES, ExportOptions, register_exporter
+from impasto.export.lora import (
     adapter_parts,
     check_base_model,
     read_adapters,
     write_lora_diffusers,
     write_lora_kohya,
 )
-from impasto.export_lowmem import load_by_network, loads_by_network
-from impasto.export_metadata import modelspec_metadata
+from impasto.export.lowmem import load_by_network, loads_by_network
+from impasto.export.metadata import modelspec_metadata
 from impasto.models import SDXLComponents
 from impasto.models.io import save_diffusers, sdxl_scheduler
 from impasto.models.lora_kohya import merge_kohya
@@ -55,19 +39,6 @@ from impasto.models.parts import merge_adapters
 from impasto.models.sdxl import PART_NAMES as PARTS
 from impasto.models.single_file import save_single_file
 from impasto.models.single_file.file_errors import check_safetensors
-from impasto.permissions import apply_umask
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    dtype: str = "fp16"  # a key of DTYPES
-    merge: bool = False  # bake a LoRA run's adapters into the full model
-    merge_lora: str | None = None  # a kohya LoRA file to add to the full model
-    lora_scale: float = 1.0  # its strength
-    ema: bool = False  # export the EMA weights (ema.safetensors) instead of the live ones
-    verbose: bool = False  # print the export's time and peak memory
 
 
 def scheduler_for(config: Config):
@@ -119,7 +90,7 @@ def full_model(
     """The run's config and its model as a plain SDXL in the export dtype: the run's adapters
     merged (a LoRA run needs ``options.merge``), then ``merge_lora`` added.
 
-    One network at a time where the base model allows (:mod:`export_lowmem`), else the whole
+    One network at a time where the base model allows (:mod:`impasto.export.lowmem`), else the whole
     model in fp32, cast in place network by network, parameter by parameter.
     """
     path = resolve_checkpoint(checkpoint)
@@ -148,6 +119,7 @@ def full_model(
     return config, models
 
 
+@register_exporter("sdxl", "diffusers")
 def export_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
     config, models = full_model(checkpoint, options, "diffusers folder")
     save_diffusers(models, out, scheduler=scheduler_for(config))
@@ -170,6 +142,7 @@ def _title(checkpoint: str | Path) -> str:
     return Path(checkpoint).resolve().name
 
 
+@register_exporter("sdxl", "single-file")
 def export_single_file(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
     config, models = full_model(checkpoint, options, "single file")
     metadata = modelspec_metadata(config, _title(checkpoint), lora=False) | model_metadata(config)
@@ -183,53 +156,14 @@ def export_single_file(checkpoint: str | Path, out: str | Path, options: ExportO
     return Path(out)
 
 
+# The LoRA formats ignore the merge options.
+@register_exporter("sdxl", "lora-diffusers")
 def export_lora_diffusers(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
     adapters = read_adapters(checkpoint, ("lora", "dora"), "diffusers LoRA", options.ema)
     return write_lora_diffusers(adapters, out, DTYPES[options.dtype], _title(checkpoint))
 
 
+@register_exporter("sdxl", "lora-kohya")
 def export_lora_kohya(checkpoint: str | Path, out: str | Path, options: ExportOptions) -> Path:
     adapters = read_adapters(checkpoint, ("lora",), "kohya LoRA", options.ema)
     return write_lora_kohya(adapters, out, DTYPES[options.dtype], _title(checkpoint))
-
-
-# name → exporter(checkpoint, out, options); the LoRA formats ignore the merge options.
-EXPORTERS = {
-    "diffusers": export_diffusers,
-    "single-file": export_single_file,
-    "lora-diffusers": export_lora_diffusers,
-    "lora-kohya": export_lora_kohya,
-}
-FORMATS = tuple(EXPORTERS)
-
-
-def export_checkpoint(
-    checkpoint: str | Path, fmt: str, out: str | Path, options: ExportOptions | None = None
-) -> Path:
-    """Write the model of ``checkpoint`` (a checkpoint or run directory) as ``fmt`` to ``out``."""
-    options = options or ExportOptions()
-    if fmt not in EXPORTERS:
-        raise ValueError(f"export: unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
-    if options.dtype not in DTYPES:
-        raise ValueError(f"export: unknown dtype {options.dtype!r}; valid: {', '.join(DTYPES)}")
-    if options.merge_lora and fmt.startswith("lora-"):
-        raise ValueError(
-            "export: --merge-lora adds a LoRA to a full model (diffusers, single-file)"
-        )
-    started = time.perf_counter()
-    path = apply_umask(EXPORTERS[fmt](checkpoint, out, options))
-    if options.verbose:
-        print(export_report(time.perf_counter() - started), file=sys.stderr)
-    return path
-
-
-def peak_memory_gb() -> float:
-    """The process's peak resident memory so far (``ru_maxrss``, KiB on Linux), in GiB."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 30 if sys.platform == "darwin" else 1 << 20)  # macOS counts bytes
-
-
-def export_report(seconds: float) -> str:
-    """One line: how long an export took and the process's peak memory (which includes
-    whatever the process did before the export; the CLI runs the export alone)."""
-    return f"export: {seconds:.1f} s, peak memory {peak_memory_gb():.2f} GiB (max RSS)"

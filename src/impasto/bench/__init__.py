@@ -15,7 +15,7 @@ mean something. Each variant builds a fresh model (same seed) and frees it befor
 ``rounds`` repeats the whole sequence and reports the median, which evens out drift.
 
 ``parallel`` (``ddp``, ``fsdp``) times the trainer's step on several processes instead, one per
-visible GPU (or ``nproc`` CPU processes on gloo): see :mod:`impasto.bench_parallel`.
+visible GPU (or ``nproc`` CPU processes on gloo): see :mod:`impasto.bench.parallel`.
 """
 
 from __future__ import annotations
@@ -27,26 +27,20 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from diffusers import DDPMScheduler
-from torch.utils.flop_counter import FlopCounterMode
 
-from impasto.bench_step import (
+from impasto.bench.diffusers_step import DiffusersStep, count_flops
+from impasto.bench.report import format_report
+from impasto.bench.step import (
     VARIANTS,
     ImpastoStep,
     bench_config,
     free_memory,
-    show_value,
     sync_device,
     synthetic_batch,
 )
-from impasto.checkpoint.trained import build_starting_backbone
-from impasto.config import Config
-from impasto.data import Batch
 from impasto.logging.flops import peak_tflops
-from impasto.models import add_time_ids
 from impasto.models.presets import reusing_preset_builds
-from impasto.precision import autocast_factory, resolve_device, resolve_precision
+from impasto.precision import resolve_device
 from impasto.train.checks import check_config
 
 DEFAULT_RESOLUTION = {"tiny": 64, "demo": 64, "sdxl": 1024}
@@ -68,46 +62,6 @@ class BenchRow:
     rounds_ms: list[float] | None = None  # each round's step time (the spread of the median)
 
 
-class DiffusersStep:
-    """The plain diffusers training step on a fresh UNet."""
-
-    def __init__(self, config: Config, device: torch.device) -> None:
-        self.device = device
-        self.unet = build_starting_backbone(config).denoiser().to(device).train()
-        self.optimizer = torch.optim.AdamW(self.unet.parameters(), lr=config.optim.lr)
-        self.scheduler = DDPMScheduler(
-            beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012
-        )
-        precision = resolve_precision(config.train.mixed_precision, device)
-        self.autocast = autocast_factory(device, precision)
-
-    def prepare(self, batch: Batch) -> None:
-        device = self.device
-        self.latents = batch.latent_mean.to(device)
-        self.embeds = batch.prompt_embeds.to(device)
-        time_ids = add_time_ids(
-            batch.original_sizes, batch.crop_top_lefts, batch.target_sizes, dtype=torch.float32
-        )
-        self.added = {
-            "text_embeds": batch.pooled_prompt_embeds.to(device),
-            "time_ids": time_ids.to(device),
-        }
-
-    def forward_backward(self) -> None:
-        noise = torch.randn_like(self.latents)
-        timesteps = torch.randint(0, 1000, (self.latents.shape[0],), device=self.device)
-        noisy = self.scheduler.add_noise(self.latents, noise, timesteps)
-        with self.autocast():
-            prediction = self.unet(noisy, timesteps, self.embeds, added_cond_kwargs=self.added)
-        F.mse_loss(prediction.sample.float(), noise.float()).backward()
-
-    def __call__(self) -> None:
-        self.forward_backward()
-        torch.nn.utils.clip_grad_norm_(self.unet.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-
 def time_steps(
     step: Callable[[], None], device: torch.device, warmup: int, steps: int
 ) -> tuple[float, float | None]:
@@ -124,14 +78,6 @@ def time_steps(
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return seconds, peak
-
-
-def count_flops(step: DiffusersStep) -> int:
-    """FLOPs of one forward + backward of the plain step (counted, not timed)."""
-    with FlopCounterMode(display=False) as counter:
-        step.forward_backward()
-    step.optimizer.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
 
 
 def run_bench(
@@ -167,7 +113,7 @@ def run_bench(
             "strategy with --parallel ddp|fsdp instead (it also starts the processes)"
         )
     if parallel != "none":
-        from impasto.bench_parallel import ParallelRequest, run_parallel_bench
+        from impasto.bench.parallel import ParallelRequest, run_parallel_bench
 
         request = ParallelRequest(
             parallel, model, resolution, batch, steps, warmup, rounds, precision, device,
@@ -241,29 +187,13 @@ def run_bench(
     }
 
 
-def format_report(report: dict[str, Any]) -> str:
-    """The report as a table."""
-    if "strategy" in report:
-        from impasto.bench_parallel import format_parallel_report
-
-        return format_parallel_report(report)
-    show = show_value
-
-    lines = [
-        f"impasto bench: {report['model']} at {report['resolution']}², batch {report['batch']}, "
-        f"{report['precision']}, {report['device']}; {report['tflop_per_image']:.3g} TFLOP per "
-        f"image (forward + backward); median of {report['rounds']} round(s) of "
-        f"{report['steps']} steps",
-        f"{'variant':<14} {'step ms':>9} {'img/s':>8} {'TFLOP/s':>8} {'MFU':>6} "
-        f"{'peak GiB':>9} {'vs diffusers':>13}",
-    ]
-    for row in report["rows"]:
-        if row.get("error"):
-            lines.append(f"{row['name']:<14} {row['error']}")
-            continue
-        lines.append(
-            f"{row['name']:<14} {row['step_ms']:>9.1f} {row['images_per_s']:>8.2f} "
-            f"{show(row['tflops'], '.1f'):>8} {show(row['mfu'], '.1%'):>6} "
-            f"{show(row['peak_memory_gib'], '.2f'):>9} {row['vs_diffusers']:>13.3f}"
-        )
-    return "\n".join(lines)
+__all__ = [
+    "DEFAULT_RESOLUTION",
+    "PARALLEL_STRATEGIES",
+    "BenchRow",
+    "DiffusersStep",
+    "count_flops",
+    "format_report",
+    "run_bench",
+    "time_steps",
+]
