@@ -128,10 +128,35 @@ def test_family_method_and_preset_names_are_checked():
     lines = str(caught.value).splitlines()
     assert lines[0].startswith("model.family: unknown family 'unet3'; valid: ")
     assert "sdxl" in lines[0].split("valid: ")[1].split(", ")
-    assert lines[1] == "model.preset: unknown preset 'huge'; valid: demo, sdxl, tiny"
-    assert lines[2].startswith("objective.method: unknown method 'dpo'; valid: ")
-    assert "denoise" in lines[2].split("valid: ")[1].split(", ")
-    assert len(lines) == 3
+    # an unknown family has no presets to check 'huge' against
+    assert lines[1].startswith("objective.method: unknown method 'dpo'; valid: ")
+    assert "denoise" in lines[1].split("valid: ")[1].split(", ")
+    assert len(lines) == 2
+    for family, valid in (("sdxl", "tiny, demo, sdxl"), ("dit", "tiny, s, b, l, xl, 7b, 28b")):
+        raw = _raw(model={"family": family, "preset": "huge"})
+        with pytest.raises(ConfigError) as caught:
+            impasto.build_config(raw)
+        assert str(caught.value).splitlines() == [
+            f"model.preset: unknown preset 'huge' of family {family}; valid: {valid}"
+        ]
+
+
+def test_a_familys_options_and_parts_are_checked_by_the_family():
+    raw = _raw(
+        model={"family": "dit", "preset": "tiny", "dit": {"block": "unet", "patch": 2}},
+        parts={"unet": "lora", "transformer_lr": 1e-4},
+    )
+    with pytest.raises(ConfigError) as caught:
+        impasto.build_config(raw)
+    assert str(caught.value).splitlines() == [
+        "model.dit.block: Input should be 'adaln', 'cross' or 'llama', got 'unet'",
+        "parts.unet: the dit family has no part 'unet'; its parts: transformer, text_encoder, "
+        "text_encoder_2",
+    ]
+    raw = _raw(model={"preset": "tiny", "dit": {"block": "cross"}})
+    with pytest.raises(ConfigError, match=r"model.dit: unknown key; a family's options sit "
+                       r"under model.<family> \(model.family: sdxl\)"):  # fmt: skip
+        impasto.build_config(raw)
 
 
 def test_the_python_api_train_rejects_unknown_names(tmp_path):

@@ -35,7 +35,11 @@ MALFORMED = [
     ("data.resolution", 100, "data.resolution: must be a multiple of 8"),
     ("data.crop", "top", "data.crop: input should be 'center' or 'random'"),
     ("data.batch_size", "four", "data.batch_size: "),
-    ("model.preset", "huge", "model.preset: unknown preset 'huge'; valid: demo, sdxl, tiny"),
+    (
+        "model.preset",
+        "huge",
+        "model.preset: unknown preset 'huge' of family sdxl; valid: tiny, demo, sdxl",
+    ),
     ("objective.prediction_type", "eps", "objective.prediction_type: unknown name 'eps'"),
     ("objective.beta_end", 0.0001, "objective: beta_end must be > beta_start"),
     (

@@ -290,7 +290,7 @@ def test_pairwise_diversity_values():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"parts": {"unet": "lora", "text_encoder": "lora"}}, "set parts.text_encoder and"),
+        ({"parts": {"unet": "lora", "text_encoder": "lora"}}, "set parts.text_encoder: frozen"),
         ({"draftp": {"sampler": "dpmpp_2m"}}, "draftp.sampler: 'dpmpp_2m' cannot be cut"),
         ({"draftp": {"lv_samples": 2, "truncation_steps": 2}}, "set truncation_steps: 1"),
         (

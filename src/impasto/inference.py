@@ -217,7 +217,7 @@ def base_model_forward(config: Config, backbone: Backbone) -> ModelForward:
     names = {id(module): name for name, module in backbone.parts().items()}
     denoiser = backbone.denoiser()
     denoiser_name = names[id(denoiser)]
-    trained = [name for name in names.values() if getattr(config.parts, name) != "frozen"]
+    trained = [name for name in names.values() if config.parts.mode(name) != "frozen"]
     if trained != [denoiser_name]:
         raise ValueError(
             f"--anneal mixes two {denoiser_name}s under one text encoding, but this checkpoint "

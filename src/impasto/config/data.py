@@ -63,6 +63,9 @@ class SourceConfig(Section):
         return self
 
 
+MAX_PACK_TOKENS = 2**22  # tokens per pack; NeMo's longest video samples hold 74k
+
+
 class DataConfig(Section):
     """Images with captions: one source (``source``, ``path``) or several (``sources``)."""
 
@@ -131,6 +134,14 @@ class DataConfig(Section):
     tag_weight_min: Float = Field(0.5, gt=0, le=1)
     tag_weight_max: Float = Field(2.0, ge=1, le=1e6)
     batch_size: Int = Field(4, ge=1, le=MAX_BATCH)
+    pack_tokens: Int | None = Field(
+        None,
+        ge=128,
+        le=MAX_PACK_TOKENS,
+        multiple_of=128,
+        description="pack images of different buckets into one sequence of this many tokens "
+        "per micro-batch (families that support it: dit; batch_size then does not apply)",
+    )
     num_workers: Int = Field(0, ge=0, le=MAX_WORKERS)
     max_bad_fraction: Float = Field(
         0.05, ge=0, le=1, description="stop with an error if more images than this are unreadable"

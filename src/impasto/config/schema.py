@@ -12,10 +12,12 @@ Sections with a module of their own in this package: ``data`` and ``cache`` (``d
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from impasto.config.data import CacheConfig, DataConfig
 from impasto.config.draftp import DraftpConfig, RewardConfig
@@ -51,22 +53,55 @@ DEVICE_FORMS = "auto, cpu, cuda, cuda:N (N a GPU index, e.g. cuda:1) or mps"
 
 
 class ModelConfig(Section):
-    """Where the SDXL components come from: a built-in preset or a local diffusers folder."""
+    """Where the model comes from: a built-in preset or local weights, of ``family``. The
+    family's own options sit in a section named after it (``model.<family>``), validated by the
+    family (:func:`impasto.train.checks.check_config`)."""
+
+    model_config = ConfigDict(extra="allow")
 
     family: str = Field("sdxl", description="the model family (impasto.models.BACKBONES)")
-    preset: str | None = Field(None, description="a built-in preset (impasto.models.PRESETS)")
+    preset: str | None = Field(None, description="a built-in preset of the family")
     path: PathStr | None = Field(
-        None, description="a diffusers SDXL folder, or a single-file .safetensors checkpoint"
+        None,
+        description="local weights: for SDXL a diffusers folder or a single-file "
+        ".safetensors checkpoint; for another family, what it reads (docs)",
     )
     vae: PathStr | None = Field(
         None,
         description="another VAE: a diffusers AutoencoderKL folder or a .safetensors file "
         "(diffusers or original layout), e.g. an fp16-fix SDXL VAE; default: the model's own",
     )
+    text_encoder: PathStr | None = Field(
+        None,
+        description="text encoders from elsewhere, for a family that takes them (dit): a "
+        "diffusers SDXL folder (its two CLIP encoders) or a transformers text encoder folder",
+    )
     init_seed: Seed = Field(0, description="seed of the random init of preset models")
     allow_pickle: bool = Field(
         False, description="read a .ckpt/.pt single file (torch.load, weights_only)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_the_familys_section(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        family = data.get("family", "sdxl")
+        errors = []
+        for key, value in data.items():
+            if key in cls.model_fields:
+                continue
+            if key != family:
+                message = (
+                    "unknown key; a family's options sit under model.<family> "
+                    f"(model.family: {family})"
+                )
+                errors.append(_line(key, value, "unknown_key", message))
+            elif not isinstance(value, dict):
+                errors.append(_line(key, value, "model_type", "must be a section of keys"))
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -77,27 +112,98 @@ class ModelConfig(Section):
             )
         return self
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """The family's section (``model.<family>``), as written; empty if absent."""
+        return dict((self.model_extra or {}).get(self.family) or {})
+
+
+def _positive_number(value: object) -> bool:
+    """A finite number > 0 as a :data:`Float` reads one (``1e-4`` comes from YAML as a string)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(number) and number > 0
+
+
+def _line(key: str, value: object, kind: str, message: str) -> dict[str, Any]:
+    """A pydantic line error at ``key`` (the section's path is prefixed by pydantic)."""
+    return {"type": PydanticCustomError(kind, message), "loc": (key,), "input": value}
+
 
 PartMode = Literal["full", "lora", "frozen"]
+PART_MODES = ("full", "lora", "frozen")
+PART_NAME = re.compile(r"[a-z][a-z0-9_]*")
+TEXT_PART_PREFIX = "text_encoder"
+
+
+def is_text_part(name: str) -> bool:
+    """Parts named ``text_encoder*`` are text encoders (every family names them so)."""
+    return name.startswith(TEXT_PART_PREFIX)
 
 
 class PartsConfig(Section):
-    """What trains: each SDXL component in full, through an adapter (section ``lora``), or not."""
+    """What trains: each part of the family in full, through an adapter (section ``lora``), or
+    not, and its learning rate (``<part>_lr``, default ``optim.lr``). The part names come from
+    the family (SDXL: unet, text_encoder, text_encoder_2; checked by
+    :func:`impasto.train.checks.check_config`). A part not named keeps its default: text
+    encoders (``text_encoder*``) frozen, the denoiser full."""
 
-    unet: PartMode = "full"
-    text_encoder: PartMode = Field("frozen", description="CLIP-L (encoder 1)")
-    text_encoder_2: PartMode = Field("frozen", description="OpenCLIP bigG (encoder 2)")
-    unet_lr: Float | None = Field(None, gt=0, description="default: optim.lr")
-    text_encoder_lr: Float | None = Field(None, gt=0, description="default: optim.lr")
-    text_encoder_2_lr: Float | None = Field(None, gt=0, description="default: optim.lr")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _modes_and_rates(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        errors = []
+        for key, value in data.items():
+            if not isinstance(key, str) or not PART_NAME.fullmatch(key):
+                errors.append(_line(str(key), value, "part_name", "a part name is lowercase "
+                                    "letters, digits and _"))  # fmt: skip
+            elif key.endswith("_lr"):
+                if value is not None and not _positive_number(value):
+                    errors.append(_line(key, value, "part_lr", "must be a finite number > 0"))
+            elif value not in PART_MODES:
+                errors.append(_line(key, value, "part_mode", "must be full, lora or frozen"))
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
 
     @model_validator(mode="after")
     def _something_trains(self) -> PartsConfig:
-        if self.unet == self.text_encoder == self.text_encoder_2 == "frozen":
+        named = self.named()
+        denoisers = [name for name in named if not is_text_part(name)]
+        if denoisers and all(mode == "frozen" for mode in named.values()):
             raise ValueError(
-                "every part is frozen; set parts.unet (or a text encoder) to full or lora"
+                f"every part is frozen; set parts.{denoisers[0]} (or a text encoder) to full "
+                "or lora"
             )
         return self
+
+    def named(self) -> dict[str, str]:
+        """The modes the config names, by part."""
+        extra = self.model_extra or {}
+        return {key: value for key, value in extra.items() if not key.endswith("_lr")}
+
+    def mode(self, part: str) -> str:
+        """``part``'s mode: as named, else frozen for a text encoder and full for the rest."""
+        default = "frozen" if is_text_part(part) else "full"
+        return self.named().get(part, default)
+
+    def lr(self, part: str) -> float | None:
+        """``part``'s own learning rate (``parts.<part>_lr``), or None for ``optim.lr``."""
+        value = (self.model_extra or {}).get(f"{part}_lr")
+        return None if value is None else float(value)
+
+    def training_text_encoders(self) -> list[str]:
+        """The text encoders the config trains (full or lora)."""
+        return [
+            name for name, mode in self.named().items() if is_text_part(name) and mode != "frozen"
+        ]
 
 
 class LoraConfig(Section):
@@ -348,25 +454,21 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _draftp_trains_the_denoiser(self) -> Config:
-        parts = self.parts
-        text_trains = parts.text_encoder != "frozen" or parts.text_encoder_2 != "frozen"
-        if self.objective.method == "draftp" and text_trains:
+        trained = self.parts.training_text_encoders()
+        if self.objective.method == "draftp" and trained:
             raise ValueError(
                 "objective.method draftp fine-tunes the denoiser (its KL leash compares it with "
-                "the base at the same text encoding); set parts.text_encoder and "
-                "parts.text_encoder_2: frozen"
+                f"the base at the same text encoding); set {_parts(trained)}: frozen"
             )
         return self
 
     @model_validator(mode="after")
     def _cache_fits_the_parts(self) -> Config:
-        parts = self.parts
-        text_trains = parts.text_encoder != "frozen" or parts.text_encoder_2 != "frozen"
-        if self.cache.text_embeddings != "none" and text_trains:
+        trained = self.parts.training_text_encoders()
+        if self.cache.text_embeddings != "none" and trained:
             raise ValueError(
                 f"cache.text_embeddings: {self.cache.text_embeddings!r} reuses embeddings of "
-                "frozen text encoders; set it to none when parts.text_encoder or "
-                "parts.text_encoder_2 trains"
+                f"frozen text encoders; set it to none when {_parts(trained)} trains"
             )
         return self
 
@@ -383,3 +485,8 @@ class Config(Section):
                 "random_flip); set data.crop: center, or cache.latents: none for random crops"
             )
         return self
+
+
+def _parts(names: list[str]) -> str:
+    """``parts.a``, ``parts.a and parts.b``."""
+    return " and ".join(f"parts.{name}" for name in names)

@@ -89,10 +89,13 @@ def training_sampler(
     bucket_of: Sequence[tuple[int, int] | None] | None = None,
     rank: int = 0,
     world_size: int = 1,
+    tokens_of: Sequence[int | None] | None = None,
+    pack_tokens: int | None = None,
 ) -> ResumableBatchSampler:
     """The batch order of training: shuffled per epoch, every batch full, no image left out
     (a short last batch is filled with images the epoch already showed), by bucket if given;
-    rank ``rank`` of ``world_size`` loads its share of every step."""
+    rank ``rank`` of ``world_size`` loads its share of every step; with ``pack_tokens``, a
+    batch is a pack of images by ``tokens_of`` (:mod:`impasto.data.packing`)."""
     return ResumableBatchSampler(
         num_samples=num_samples,
         batch_size=batch_size,
@@ -104,6 +107,8 @@ def training_sampler(
         bucket_of=bucket_of,
         rank=rank,
         world_size=world_size,
+        tokens_of=tokens_of,
+        pack_tokens=pack_tokens,
     )
 
 
@@ -152,6 +157,8 @@ def build_dataloader(
     world_size: int = 1,
     cache: CachedEncodings | None = None,
     caption_variants: int | None = None,
+    tokens_of: Sequence[int | None] | None = None,
+    pack_tokens: int | None = None,
 ) -> tuple[DataLoader, ResumableBatchSampler]:
     """A shuffling, exactly resumable loader of :class:`Batch` (empty when all were skipped).
 
@@ -180,6 +187,7 @@ def build_dataloader(
         rank, world_size: this process's share of every step (``batch_size`` images each).
         cache: read latents and/or text encodings from the disk cache (:mod:`.cache`).
         caption_variants: see :class:`ImageCaptionDataset` (None: the cache's setting).
+        tokens_of, pack_tokens: batches are packs (see :func:`training_sampler`).
 
     Returns:
         ``(loader, sampler)``.
@@ -200,8 +208,9 @@ def build_dataloader(
         caption_variants,
     )
     sampler = training_sampler(
-        len(dataset), batch_size, seed, start_position, bucket_of, rank, world_size
-    )
+        len(dataset), batch_size, seed, start_position, bucket_of, rank, world_size,
+        tokens_of, pack_tokens,
+    )  # fmt: skip
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,

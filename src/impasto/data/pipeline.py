@@ -23,6 +23,7 @@ from impasto.data.cache import CachedEncodings
 from impasto.data.cache_fill import CacheReport, fill_cache, identify_images
 from impasto.data.captions import caption_tools_from, tag_frequency_weights
 from impasto.data.holdout import HeldOutSet, generate_missing_demo_sets, held_out_set
+from impasto.data.packing import pack_layout
 from impasto.data.records import (
     SOURCE_READERS,
     check_bad_fraction,
@@ -111,8 +112,9 @@ def record_loss_weights(config: Any, records: list[ImageRecord]) -> list[float] 
 
 
 def count_total_steps(
-    config: Any, num_images: int, bucket_of: list[Bucket | None] | None = None, world: int = 1
-) -> int:
+    config: Any, num_images: int, bucket_of: list[Bucket | None] | None = None, world: int = 1,
+    tokens_of: list[int | None] | None = None,
+) -> int:  # fmt: skip
     """Optimizer steps of the run: ``train.max_steps``, capped by ``train.max_epochs`` (a step
     takes ``grad_accum_steps`` batches on each of ``world`` ranks).
 
@@ -120,10 +122,13 @@ def count_total_steps(
     would need more images than there are to train on (every image would be repeated many
     times in each batch: a typo such as ``batch_size: 10000000`` would hang the loader).
     """
-    check_batch_size(config.data.batch_size, world, num_images, bucket_of)
+    pack_tokens = config.data.pack_tokens if tokens_of is not None else None
+    if pack_tokens is None:
+        check_batch_size(config.data.batch_size, world, num_images, bucket_of)
     sampler = training_sampler(
-        num_images, config.data.batch_size, config.train.seed, (0, 0), bucket_of
-    )
+        num_images, config.data.batch_size, config.train.seed, (0, 0), bucket_of,
+        tokens_of=tokens_of, pack_tokens=pack_tokens,
+    )  # fmt: skip
     batches_per_epoch = sampler.num_batches_per_epoch
     total = config.train.max_steps or math.inf
     if config.train.max_epochs is not None:
@@ -189,6 +194,7 @@ class DataStream:
         world: int = 1,
         known_bad: set[str] | None = None,
         caption_variants: int | None = None,
+        tokens_of: list[int | None] | None = None,
     ) -> None:
         data = config.data
         self.loader, self.sampler = build_dataloader(
@@ -207,6 +213,8 @@ class DataStream:
             rank=rank,
             world_size=world,
             caption_variants=caption_variants,
+            tokens_of=tokens_of,
+            pack_tokens=data.pack_tokens if tokens_of is not None else None,
         )
         self.known_bad = set(known_bad or ())
         self.known_reencoded: set[str] = set()
@@ -362,7 +370,8 @@ def prepare_run_data(
     usable = [record for record in records if str(record.image_path) not in unplaced]
     skipped = scan.skipped + unreadable
     left_out = report_left_out(config, bad_data, skipped, usable + scan.held_out, main)
-    total = count_total_steps(config, len(records), bucket_of, world)
+    tokens_of = pack_sizes(config, backbone, len(records), bucket_of, main)
+    total = count_total_steps(config, len(records), bucket_of, world, tokens_of)
     if cached:
         encodings, report = fill_cache(
             config, backbone, records, image_ids, bucket_of, autocast, precision, rank, world
@@ -376,12 +385,37 @@ def prepare_run_data(
     if pixels_only and config.cache.text_embeddings == "disk":
         variants = config.cache.caption_variants  # the captions the text cache holds
     stream = DataStream(
-        config, records, bucket_of, weights, encodings, rank, world, known_bad, variants
-    )
+        config, records, bucket_of, weights, encodings, rank, world, known_bad, variants,
+        tokens_of,
+    )  # fmt: skip
     sets = [] if pixels_only else held_out_sets(config, scan.held_out, main)
     return RunData(
         records, stream, total, bad_data, left_out, bucket_of, scan.groups, scan.held_out, sets
     )
+
+
+def pack_sizes(
+    config: Any, backbone: Any, num_images: int, bucket_of: list[Bucket | None] | None,
+    main: bool,
+) -> list[int | None] | None:  # fmt: skip
+    """Each image's tokens in the backbone's sequence (``Backbone.sequence_length`` of its
+    bucket, or the ``data.resolution`` square) when ``data.pack_tokens`` packs batches, else
+    None; rank 0 reports the packs' layout."""
+    capacity = config.data.pack_tokens
+    if capacity is None or backbone is None:
+        return None
+    square = (config.data.resolution, config.data.resolution)
+    sizes = bucket_of if bucket_of is not None else [square] * num_images
+    lengths = {size: backbone.sequence_length(*size) for size in set(sizes) if size is not None}
+    tokens_of = [None if size is None else lengths[size] for size in sizes]
+    if main:
+        layout = pack_layout(tokens_of, capacity)
+        print(
+            f"impasto: packing: {layout.num_packs} packs of {capacity} tokens per epoch, "
+            f"{layout.utilisation:.1%} of their tokens hold images "
+            f"({len(lengths)} shapes: {', '.join(f'{h}x{w}' for h, w in sorted(lengths))})"
+        )
+    return tokens_of
 
 
 def held_out_sets(config: Any, split: list[ImageRecord], main: bool = True) -> list[HeldOutSet]:

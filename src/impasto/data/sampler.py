@@ -46,6 +46,7 @@ import torch
 from torch.utils.data import Sampler
 
 from impasto.data.buckets import fill_batches, plan_bucket_batches
+from impasto.data.packing import pack_layout, plan_packs
 from impasto.data.seeding import derive_seed
 
 
@@ -113,6 +114,9 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             bucket's short last batch filled with its other images, nothing dropped.
         rank: this process's rank; it loads the ``rank``-th batch of every step.
         world_size: number of ranks; a step consumes ``world_size`` batches (module docstring).
+        tokens_of, pack_tokens: each sample's token count (None: not placed) and a pack's
+            capacity; given, a batch is a pack (:func:`~impasto.data.packing.plan_packs`) and
+            ``batch_size`` and ``bucket_of`` do not shape the epoch.
     """
 
     def __init__(
@@ -127,6 +131,8 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         fill_last: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        tokens_of: Sequence[int | None] | None = None,
+        pack_tokens: int | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"data: rank {rank} is outside world_size {world_size}")
@@ -154,8 +160,14 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         if fill_last and drop_last:
             raise ValueError("data: fill_last needs drop_last=False (there is no last batch)")
         self.fill_last = fill_last
+        self.tokens_of = None if tokens_of is None else list(tokens_of)
+        self.pack_tokens = pack_tokens
+        if pack_tokens is not None and self.tokens_of is None:
+            raise ValueError("data: packing needs each sample's token count")
         # Counted once: the trainer asks after every batch, and bucket_of may hold millions.
-        if self.bucket_of is not None:
+        if pack_tokens is not None:
+            self._num_batches = pack_layout(self.tokens_of, pack_tokens).num_packs
+        elif self.bucket_of is not None:
             sizes = Counter(bucket for bucket in self.bucket_of if bucket is not None)
             self._num_batches = sum(num_batches(n, batch_size, False) for n in sizes.values())
         else:
@@ -200,6 +212,8 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             fill_last=self.fill_last,
             rank=self.rank,
             world_size=self.world_size,
+            tokens_of=self.tokens_of,
+            pack_tokens=self.pack_tokens,
         )
 
     def set_epoch(self, epoch: int) -> None:
@@ -241,6 +255,7 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             "bucketed": int(self.bucket_of is not None),
             "fill_last": int(self.fill_last),
             "world_size": self.world_size,  # informative: any number of ranks may resume
+            "pack_tokens": self.pack_tokens or 0,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -251,7 +266,7 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         """
         current = self.state_dict()
         names = ("num_samples", "batch_size", "seed", "shuffle", "drop_last", "bucketed")
-        for name in (*names, "fill_last"):
+        for name in (*names, "fill_last", "pack_tokens"):
             if name in state and int(state[name]) != current[name]:
                 raise ValueError(
                     f"data: checkpoint has {name}={int(state[name])} but this run has "
@@ -262,7 +277,9 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
     def epoch_plan(self, epoch: int) -> list[list[int]]:
         """Every batch of ``epoch`` (dataset indices), in order; the last two are kept."""
         if epoch not in self._plans:
-            if self.bucket_of is not None:
+            if self.pack_tokens is not None:
+                plan = plan_packs(self.tokens_of, self.pack_tokens, self.seed, epoch)
+            elif self.bucket_of is not None:
                 plan = plan_bucket_batches(self.bucket_of, self.batch_size, self.seed, epoch)
             else:
                 order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle).tolist()

@@ -59,7 +59,7 @@ _ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v")
 
 def adapter_parts(config: Config) -> list[str]:
     """The parts a run trains through adapters (``parts.<name>: lora``), in model order."""
-    return [name for name in PART_NAMES if getattr(config.parts, name) == "lora"]
+    return [name for name in PART_NAMES if config.parts.mode(name) == "lora"]
 
 
 @dataclass(frozen=True)

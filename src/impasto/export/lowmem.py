@@ -136,7 +136,7 @@ def _network(config: Config, checkpoint: Path, name: str, dtype: torch.dtype) ->
     base weights then overwritten by the checkpoint's, cast as they are read. Casting a value
     once or through fp32 gives the same bits.
     """
-    mode = getattr(config.parts, name, "frozen")
+    mode = config.parts.mode(name) if name != "vae" else "frozen"
     module = _base_network(
         Path(config.model.path), name, torch.float32 if mode == "lora" else dtype
     )

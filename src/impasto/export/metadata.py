@@ -123,7 +123,7 @@ def modelspec_metadata(config: Config, title: str, lora: bool) -> dict[str, str]
 
 
 def _part_lr(config: Config, part: str) -> float:
-    return getattr(config.parts, f"{part}_lr") or config.optim.lr
+    return config.parts.lr(part) or config.optim.lr
 
 
 def _learning_rates(config: Config, adapted: list[str]) -> dict[str, str]:

@@ -55,7 +55,7 @@ def load_model(config) -> SDXLComponents:
     return components
 
 
-from impasto.models import sdxl  # noqa: E402  (registers the "sdxl" family)
+from impasto.models import dit, sdxl  # noqa: E402  (register the "dit" and "sdxl" families)
 
 __all__ = [
     "BACKBONES",
@@ -73,6 +73,7 @@ __all__ = [
     "load_diffusers",
     "load_model",
     "register_backbone",
+    "dit",
     "sdxl",
     "save_diffusers",
     "sdxl_scheduler",

@@ -17,10 +17,11 @@ Terms:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from pydantic import BaseModel, ValidationError
 from torch import Tensor, nn
 
 from impasto.registry import lookup, registrar
@@ -120,6 +121,18 @@ class Backbone(Protocol):
     def forward(self, x_t: Tensor, timesteps: Tensor, condition: Any) -> Tensor:
         """The denoiser's prediction at (x_t, t)."""
 
+    def forward_packed(
+        self, x_ts: list[Tensor], timesteps: list[Tensor], conditions: list[Any],
+        capacity: int | None = None,
+    ) -> list[Tensor]:  # fmt: skip
+        """Predictions for groups of same-shaped samples of different shapes (a pack,
+        ``data.pack_tokens``): one sequence of ``capacity`` tokens where the family packs
+        (attention stays inside each sample), else one forward per group."""
+
+    def sequence_length(self, height: int, width: int) -> int:
+        """Tokens (or latent positions) an H×W image takes in the denoiser's sequence: what a
+        pack of ``data.pack_tokens`` holds."""
+
     def cache_identity(self, kind: str) -> tuple[object, ...]:
         """What cached encodings of ``kind`` (``latents`` or ``text``) depend on: networks
         (hashed by weights), tokenizers (by vocabulary) and plain values (by ``repr``)."""
@@ -129,6 +142,41 @@ class Backbone(Protocol):
 
 
 BackboneBuilder = Callable[[Any], Backbone]  # (Config) -> Backbone
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What the config of a family may name, known without building a model: its parts (in
+    the backbone's order), its presets, and the pydantic section of its options
+    (``model.<family>``; None: it takes none), and whether it reads ``model.text_encoder``."""
+
+    parts: tuple[str, ...]
+    presets: tuple[str, ...]
+    options: type[BaseModel] | None = None
+    reads_text_encoder: bool = False  # model.text_encoder: text encoders from another folder
+
+    def read_options(self, raw: dict[str, Any], family: str) -> BaseModel | None:
+        """The validated ``model.<family>`` section (ValueError naming the key if it is bad)."""
+        if self.options is None:
+            if raw:
+                raise ValueError(f"model.{family}: the {family} family takes no options")
+            return None
+        try:
+            return self.options.model_validate(raw)
+        except ValidationError as error:
+            first = error.errors()[0]
+            key = ".".join(str(part) for part in first["loc"])
+            raise ValueError(
+                f"model.{family}.{key}: {first['msg']}, got {first.get('input')!r}"
+            ) from None
+
+
+FAMILIES: dict[str, FamilySpec] = {}
+"""``model.family`` → what its config may name (registered by the family's module beside its
+builder; a family without one, like a test's, is checked by its builder only)."""
+
+register_family = registrar(FAMILIES, "model family")
+"""``register_family("name")(FamilySpec(...))``."""
 
 BACKBONES: dict[str, BackboneBuilder] = {}
 """``model.family`` → a builder of that family's backbone from a Config (registered by the
@@ -142,6 +190,20 @@ register_backbone = registrar(BACKBONES, "model family")
 def build_backbone(config: Any) -> Backbone:
     """The backbone ``config.model.family`` names, built from ``config.model``."""
     return lookup(BACKBONES, config.model.family, "model.family", "family")(config)
+
+
+def adapter_layers(
+    module: nn.Module, suffixes: tuple[str, ...], skip: tuple[str, ...] = ()
+) -> list[str]:
+    """Full names of ``module``'s linear and conv layers whose name ends with one of
+    ``suffixes`` (a whole name component), except those under a prefix in ``skip``."""
+    return [
+        name
+        for name, child in module.named_modules()
+        if isinstance(child, nn.Linear | nn.Conv2d)
+        and any(name == s or name.endswith("." + s) for s in suffixes)
+        and not name.startswith(skip or ("\0",))
+    ]
 
 
 def split_rows(encoding: Any) -> list[Any]:

@@ -11,8 +11,26 @@ from dataclasses import dataclass
 
 import torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+# lora.targets preset → module-name suffixes of a transformers CLIP text encoder.
+TEXT_TARGETS: dict[str, tuple[str, ...]] = {
+    "attention": ("q_proj", "k_proj", "v_proj", "out_proj"),
+    "attention_ff": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    "attention_ff_conv": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+}
+
+
+def unused_text_layers(part: str, module: nn.Module) -> tuple[str, ...]:
+    """SDXL reads encoder 1's *penultimate* hidden states and never its pooled output, so the
+    last layer and the final norm of encoder 1 get no gradient."""
+    if part != "text_encoder":
+        return ()
+    text_model = getattr(module, "text_model", module)  # transformers 5 flattens CLIPTextModel
+    prefix = "text_model." if text_model is not module else ""
+    last = len(text_model.encoder.layers) - 1
+    return (f"{prefix}encoder.layers.{last}.", f"{prefix}final_layer_norm.")
 
 
 @dataclass

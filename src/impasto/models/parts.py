@@ -130,7 +130,7 @@ def merge_adapters(module: nn.Module) -> None:
 
 
 def _mode(config: Config, part: str) -> str:
-    mode = getattr(config.parts, part)
+    mode = config.parts.mode(part)
     return config.lora.kind if mode == "lora" else mode
 
 
@@ -158,7 +158,7 @@ def prepare_parts(config: Config, backbone: Backbone) -> dict[str, Part]:
             peft.inject_adapter_in_model(peft_config(config.lora, targets), module, ADAPTER_NAME)
             for param_name, param in module.named_parameters():
                 param.requires_grad_(f".{ADAPTER_NAME}" in param_name)  # lora_A.default.weight
-        lr = getattr(config.parts, f"{name}_lr") or config.optim.lr
+        lr = config.parts.lr(name) or config.optim.lr
         parts[name] = Part(name, module, mode, lr)
     return parts
 

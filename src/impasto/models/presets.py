@@ -83,6 +83,19 @@ def _tiny_unet() -> UNet2DConditionModel:
     )
 
 
+def tiny_text_encoders(
+    initializer_factor: float = 1.0,
+) -> tuple[CLIPTextModel, CLIPTextModelWithProjection]:
+    """Tiny random CLIP-L and bigG stand-ins (hidden 32, projection 32), built from the global
+    RNG in this order; ``initializer_factor`` scales their initial weights."""
+    return (
+        CLIPTextModel(_tiny_text_config(2, CLIP_EOS_TOKEN_ID, "quick_gelu", initializer_factor)),
+        CLIPTextModelWithProjection(
+            _tiny_text_config(3, TOKENIZER_2_PAD_TOKEN_ID, "gelu", initializer_factor)
+        ),
+    )
+
+
 def build_tiny(seed: int = 0, text_initializer_factor: float = 1.0) -> SDXLComponents:
     """Tiny SDXL for tests and CPU smoke runs: random UNet and text encoders, trained VAE.
 
@@ -94,12 +107,7 @@ def build_tiny(seed: int = 0, text_initializer_factor: float = 1.0) -> SDXLCompo
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         unet = _tiny_unet()
-        text_encoder = CLIPTextModel(
-            _tiny_text_config(2, CLIP_EOS_TOKEN_ID, "quick_gelu", text_initializer_factor)
-        )
-        text_encoder_2 = CLIPTextModelWithProjection(
-            _tiny_text_config(3, TOKENIZER_2_PAD_TOKEN_ID, "gelu", text_initializer_factor)
-        )
+        text_encoder, text_encoder_2 = tiny_text_encoders(text_initializer_factor)
     tokenizer, tokenizer_2 = load_clip_tokenizers()
     for module in (unet, vae, text_encoder, text_encoder_2):
         module.eval()

@@ -14,12 +14,25 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from impasto.models.backbone import Batch, register_backbone
-from impasto.models.components import PromptEmbeds, SDXLComponents, add_time_ids, encode_prompts
+from impasto.models.backbone import (
+    Batch,
+    FamilySpec,
+    adapter_layers,
+    register_backbone,
+    register_family,
+)
+from impasto.models.components import (
+    TEXT_TARGETS,
+    PromptEmbeds,
+    SDXLComponents,
+    add_time_ids,
+    encode_prompts,
+    unused_text_layers,
+)
 
 PART_NAMES = ("unet", "text_encoder", "text_encoder_2")
 
-# lora.targets preset → module-name suffixes (diffusers UNet; transformers CLIP).
+# lora.targets preset → module-name suffixes of the diffusers UNet (CLIP's: TEXT_TARGETS).
 UNET_TARGETS: dict[str, tuple[str, ...]] = {
     "attention": ("to_q", "to_k", "to_v", "to_out.0"),
     "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
@@ -27,11 +40,6 @@ UNET_TARGETS: dict[str, tuple[str, ...]] = {
         *("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out"),
         *("conv1", "conv2", "conv_shortcut", "time_emb_proj"),
     ),
-}
-TEXT_TARGETS: dict[str, tuple[str, ...]] = {
-    "attention": ("q_proj", "k_proj", "v_proj", "out_proj"),
-    "attention_ff": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
-    "attention_ff_conv": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
 }
 
 
@@ -59,17 +67,6 @@ def unet_blocks(unet: nn.Module) -> dict[str, nn.Module]:
         blocks["mid"] = unet.mid_block
     blocks.update({f"up.{i}": block for i, block in enumerate(unet.up_blocks)})
     return blocks
-
-
-def unused_text_layers(part: str, module: nn.Module) -> tuple[str, ...]:
-    """SDXL reads encoder 1's *penultimate* hidden states and never its pooled output, so the
-    last layer and the final norm of encoder 1 get no gradient."""
-    if part != "text_encoder":
-        return ()
-    text_model = getattr(module, "text_model", module)  # transformers 5 flattens CLIPTextModel
-    prefix = "text_model." if text_model is not module else ""
-    last = len(text_model.encoder.layers) - 1
-    return (f"{prefix}encoder.layers.{last}.", f"{prefix}final_layer_norm.")
 
 
 class SDXLBackbone:
@@ -118,13 +115,7 @@ class SDXLBackbone:
         module = getattr(self.components, part)
         suffixes = UNET_TARGETS[preset] if part == "unet" else TEXT_TARGETS[preset]
         skip = self.unused_parameters(part)
-        return [
-            name
-            for name, child in module.named_modules()
-            if isinstance(child, nn.Linear | nn.Conv2d)
-            and any(name == s or name.endswith("." + s) for s in suffixes)
-            and not name.startswith(skip or ("\0",))
-        ]
+        return adapter_layers(module, suffixes, skip)
 
     # -- latents --------------------------------------------------------------------------
     def latent_posterior(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
@@ -231,6 +222,18 @@ class SDXLBackbone:
             },
         ).sample
 
+    def forward_packed(
+        self, x_ts: list[Tensor], timesteps: list[Tensor], conditions: list[SDXLConditioning],
+        capacity: int | None = None,
+    ) -> list[Tensor]:  # fmt: skip
+        """A UNet cannot pack: one forward per group."""
+        return [self.forward(*group) for group in zip(x_ts, timesteps, conditions, strict=True)]
+
+    def sequence_length(self, height: int, width: int) -> int:
+        """Latent positions."""
+        _, rows, cols = self.latent_shape(height, width)
+        return rows * cols
+
     def cache_identity(self, kind: str) -> tuple[object, ...]:
         parts = self.components
         if kind == "latents":
@@ -247,3 +250,6 @@ def build_sdxl_backbone(config: Any) -> SDXLBackbone:
     from impasto.models import load_model
 
     return SDXLBackbone(load_model(config))
+
+
+register_family("sdxl")(FamilySpec(parts=PART_NAMES, presets=("tiny", "demo", "sdxl")))

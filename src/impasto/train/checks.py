@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from impasto.config.draftp import RewardConfig
     from impasto.config.schema import (
         MemoryConfig,
-        ModelConfig,
         ObjectiveConfig,
         OptimConfig,
         SampleConfig,
@@ -46,7 +45,7 @@ def check_objective(objective: ObjectiveConfig) -> None:
 
 def config_problems(config: Config) -> list[str]:
     return [
-        *model_problems(config.model),
+        *model_problems(config),
         *objective_problems(config.objective),
         *optim_problems(config.optim),
         *sample_problems(config.sample, config.objective),
@@ -173,17 +172,41 @@ def reward_problems(reward: RewardConfig, key: str) -> list[str]:
     return problems
 
 
-def model_problems(model: ModelConfig) -> list[str]:
+def model_problems(config: Config) -> list[str]:
+    """The family, its preset, its options (``model.<family>``) and the part names."""
     from impasto.models import BACKBONES
-    from impasto.models.presets import PRESETS
+    from impasto.models.backbone import FAMILIES
 
-    problems = []
+    model = config.model
     if model.family not in BACKBONES:
         valid = ", ".join(sorted(BACKBONES))
-        problems.append(f"model.family: unknown family {model.family!r}; valid: {valid}")
-    if model.preset is not None and model.preset not in PRESETS:
-        valid = ", ".join(sorted(PRESETS))
-        problems.append(f"model.preset: unknown preset {model.preset!r}; valid: {valid}")
+        return [f"model.family: unknown family {model.family!r}; valid: {valid}"]
+    spec = FAMILIES.get(model.family)
+    if spec is None:  # a family registered without a spec (a test's) checks itself
+        return []
+    problems = []
+    if model.preset is not None and model.preset not in spec.presets:
+        valid = ", ".join(spec.presets)
+        problems.append(
+            f"model.preset: unknown preset {model.preset!r} of family {model.family}; "
+            f"valid: {valid}"
+        )
+    try:
+        spec.read_options(model.options, model.family)
+    except ValueError as error:
+        problems.append(str(error))
+    if model.text_encoder is not None and not spec.reads_text_encoder:
+        problems.append(
+            f"model.text_encoder: the {model.family} family reads its text encoders from "
+            "model.path; remove model.text_encoder"
+        )
+    for key in config.parts.model_extra or {}:
+        name = key.removesuffix("_lr")
+        if name not in spec.parts:
+            problems.append(
+                f"parts.{key}: the {model.family} family has no part {name!r}; its parts: "
+                f"{', '.join(spec.parts)}"
+            )
     return problems
 
 

@@ -1,0 +1,224 @@
+"""The DiT family as a :class:`~impasto.models.backbone.Backbone`: the only module that knows how
+the DiT, its text encoders and its autoencoder are called.
+
+Text conditioning is SDXL's (both CLIP encoders' penultimate hidden states concatenated for the
+tokens, encoder 2's projected pooled output for the modulation; :func:`encode_prompts`), so the
+text cache, caption dropout and the samplers' empty prompt work unchanged. Latents come from
+any diffusers ``AutoencoderKL``: the demo VAE (default), SDXL's, or a 16-channel one (SD3 /
+FLUX: ``shift_factor``), with its scale and shift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKL
+from torch import Tensor, nn
+
+from impasto.models.backbone import Batch, adapter_layers
+from impasto.models.components import (
+    TEXT_TARGETS,
+    PromptEmbeds,
+    encode_prompts,
+    unused_text_layers,
+)
+from impasto.models.dit.network import DiT
+
+PART_NAMES = ("transformer", "text_encoder", "text_encoder_2")
+
+# lora.targets preset → module-name suffixes of the DiT (docs/dit.md, key layout).
+TRANSFORMER_TARGETS: dict[str, tuple[str, ...]] = {
+    "attention": ("to_q", "to_k", "to_v", "to_out"),
+    "attention_ff": ("to_q", "to_k", "to_v", "to_out", "fc1", "fc2", "gate", "up", "down"),
+    "attention_ff_conv": (
+        *("to_q", "to_k", "to_v", "to_out", "fc1", "fc2", "gate", "up", "down"),
+        *("modulation", "patch_embed", "linear"),
+    ),
+}
+
+
+@dataclass
+class DiTComponents:
+    """The DiT, its autoencoder, and SDXL's two CLIP text encoders with their tokenizers."""
+
+    transformer: DiT
+    vae: AutoencoderKL
+    text_encoder: nn.Module
+    text_encoder_2: nn.Module
+    tokenizer: Any
+    tokenizer_2: Any
+
+    def networks(self) -> dict[str, nn.Module]:
+        return {name: getattr(self, name) for name in (*PART_NAMES, "vae")}
+
+
+@dataclass(frozen=True)
+class DiTConditioning:
+    """The DiT's conditioning for B rows: text tokens and pooled text."""
+
+    prompt_embeds: Tensor  # [B, L, text_dim]
+    pooled_prompt_embeds: Tensor  # [B, pooled_dim]
+
+    def cat(self, other: DiTConditioning) -> DiTConditioning:
+        """``[self; other]`` along the batch axis (classifier-free guidance; packs)."""
+        return DiTConditioning(
+            torch.cat([self.prompt_embeds, other.prompt_embeds]),
+            torch.cat([self.pooled_prompt_embeds, other.pooled_prompt_embeds]),
+        )
+
+
+class DiTBackbone:
+    """The DiT family behind the backbone protocol."""
+
+    family = "dit"
+
+    def __init__(self, components: DiTComponents, attention: str = "auto") -> None:
+        self.components = components
+        self.attention = attention  # the kernel of packed batches (model.dit.attention)
+
+    # -- networks -------------------------------------------------------------------------
+    def parts(self) -> dict[str, nn.Module]:
+        return {name: getattr(self.components, name) for name in PART_NAMES}
+
+    def frozen(self) -> dict[str, nn.Module]:
+        return {"vae": self.components.vae}
+
+    def modules(self) -> dict[str, nn.Module]:
+        return self.parts() | self.frozen()
+
+    def denoiser(self) -> nn.Module:
+        return self.components.transformer
+
+    def with_denoiser(self, denoiser: nn.Module) -> DiTBackbone:
+        return DiTBackbone(replace(self.components, transformer=denoiser), self.attention)
+
+    @property
+    def device(self) -> torch.device:
+        return self.components.transformer.patch_embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.components.transformer.patch_embed.weight.dtype
+
+    def to(self, device: torch.device | str) -> DiTBackbone:
+        for module in self.modules().values():
+            module.to(device)
+        return self
+
+    def blocks(self) -> dict[str, nn.Module]:
+        return {f"blocks.{i}": block for i, block in enumerate(self.components.transformer.blocks)}
+
+    def unused_parameters(self, part: str) -> tuple[str, ...]:
+        if part == "transformer":
+            return ()
+        return unused_text_layers(part, getattr(self.components, part))
+
+    def adapter_targets(self, part: str, preset: str) -> list[str]:
+        suffixes = TRANSFORMER_TARGETS[preset] if part == "transformer" else TEXT_TARGETS[preset]
+        return adapter_layers(
+            getattr(self.components, part), suffixes, self.unused_parameters(part)
+        )
+
+    # -- latents --------------------------------------------------------------------------
+    def latent_posterior(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
+        vae = self.components.vae
+        posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        return posterior.mean, posterior.std
+
+    def _scale_shift(self) -> tuple[float, float]:
+        config = self.components.vae.config
+        return float(config.scaling_factor), float(getattr(config, "shift_factor", None) or 0.0)
+
+    def encode_latents(self, sample: Tensor) -> Tensor:
+        """``(sample − shift_factor) · scaling_factor`` (diffusers' SD3 / FLUX convention; the
+        shift is 0 for SDXL's and the demo's VAE)."""
+        scale, shift = self._scale_shift()
+        return (sample - shift) * scale
+
+    def decode_latents(self, latents: Tensor) -> Tensor:
+        with torch.no_grad():
+            return torch.cat([self.decode_images(latent).cpu() for latent in latents.split(1)])
+
+    def decode_images(self, latents: Tensor, checkpointing: bool = False) -> Tensor:
+        vae = self.components.vae
+        if checkpointing != vae.decoder.gradient_checkpointing:
+            if checkpointing:
+                vae.enable_gradient_checkpointing()
+            else:
+                vae.disable_gradient_checkpointing()
+        scale, shift = self._scale_shift()
+        latents = latents.to(device=vae.device, dtype=vae.dtype) / scale + shift
+        image = vae.decode(latents).sample.float()
+        return (image / 2 + 0.5).clamp(0, 1)
+
+    def latent_format(self) -> tuple[int, int]:
+        config = self.components.vae.config
+        return int(config.latent_channels), 2 ** (len(config.block_out_channels) - 1)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        channels, factor = self.latent_format()
+        step = factor * self.components.transformer.config.patch_size
+        if height <= 0 or width <= 0 or height % step or width % step:
+            raise ValueError(
+                f"height and width must be positive multiples of {step} (the VAE's "
+                f"downsampling {factor} × the DiT's patch size), got {height}x{width}"
+            )
+        return channels, height // factor, width // factor
+
+    # -- conditioning ---------------------------------------------------------------------
+    def encode_text(self, captions: list[str]) -> PromptEmbeds:
+        return encode_prompts(self.components, captions)
+
+    def text_from_cache(self, batch: Batch) -> PromptEmbeds | None:
+        if batch.prompt_embeds is None:
+            return None
+        device, dtype = self.device, self.dtype
+        return PromptEmbeds(
+            batch.prompt_embeds.to(device, dtype), batch.pooled_prompt_embeds.to(device, dtype)
+        )
+
+    def condition(self, text: PromptEmbeds, batch: Batch) -> DiTConditioning:
+        return DiTConditioning(text.prompt_embeds, text.pooled_prompt_embeds)
+
+    def sampling_condition(self, prompts: list[str], height: int, width: int) -> DiTConditioning:
+        embeds = encode_prompts(self.components, prompts)
+        device, dtype = self.device, self.dtype
+        return DiTConditioning(
+            embeds.prompt_embeds.to(device=device, dtype=dtype),
+            embeds.pooled_prompt_embeds.to(device=device, dtype=dtype),
+        )
+
+    def forward(self, x_t: Tensor, timesteps: Tensor, condition: DiTConditioning) -> Tensor:
+        return self.components.transformer(
+            x_t, timesteps, condition.prompt_embeds, condition.pooled_prompt_embeds
+        )
+
+    def forward_packed(
+        self, x_ts: list[Tensor], timesteps: list[Tensor], conditions: list[DiTConditioning],
+        capacity: int | None = None,
+    ) -> list[Tensor]:  # fmt: skip
+        """Groups of different shapes as one pack (attention stays inside each sample)."""
+        condition = conditions[0]
+        for other in conditions[1:]:
+            condition = condition.cat(other)
+        return self.components.transformer.forward_packed(
+            x_ts, torch.cat(timesteps), condition.prompt_embeds, condition.pooled_prompt_embeds,
+            capacity=capacity, kernel=self.attention,
+        )  # fmt: skip
+
+    def sequence_length(self, height: int, width: int) -> int:
+        """Patches: (h / p)·(w / p) of the latents."""
+        _, rows, cols = self.latent_shape(height, width)
+        patch = self.components.transformer.config.patch_size
+        return (rows // patch) * (cols // patch)
+
+    def cache_identity(self, kind: str) -> tuple[object, ...]:
+        parts = self.components
+        if kind == "latents":
+            return parts.vae, str(parts.vae.dtype)
+        return parts.text_encoder, parts.text_encoder_2, parts.tokenizer, parts.tokenizer_2
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        return {"impasto.family": self.family}

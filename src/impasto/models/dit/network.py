@@ -1,0 +1,268 @@
+"""The diffusion transformer: patches of latents in, the objective's prediction out.
+
+Three block variants (``model.dit.block``), all zero-initialised so that a new network predicts
+zero and every block starts as the identity (adaLN-Zero, Peebles & Xie 2023, §3.2):
+
+- ``adaln``: ``x += g₁·attn(mod(norm(x)))``, ``x += g₂·mlp(mod(norm(x)))``; shift, scale and
+  gate from the time and the pooled text (the DiT paper's best block);
+- ``cross``: ``adaln`` plus a modulated cross-attention to the text tokens between the two
+  (NeMo's ``DiTCrossAttention`` block; 9 modulation vectors);
+- ``llama``: RMSNorm, SwiGLU and bias-free projections, modulated self-attention and MLP, and a
+  plain pre-norm cross-attention whose output projection starts at zero (MovieGen, Polyak et
+  al. 2024, §3.1).
+
+The same weights run a batch of same-shaped samples (:meth:`DiT.forward`) or a pack of
+samples of different shapes in one sequence (:meth:`DiT.forward_packed`), where every sample
+keeps its own time, text and positions; both give the same prediction per sample.
+Parameter names are the safetensors layout (docs/dit.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from impasto.models.dit.attention import PackAttention, dense, pick_kernel
+from impasto.models.dit.layers import (
+    FREQUENCY_DIM,
+    NORM_EPS,
+    Attention,
+    GeluMLP,
+    MLPEmbedder,
+    SwiGLU,
+    modulate,
+    rope_angles,
+    sincos_embedding,
+    timestep_features,
+)
+from impasto.models.dit.layout import grid_positions, patchify, plan_pack, unpatchify
+from impasto.models.dit.sizes import SIZES
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """Everything that fixes the network's shape (saved beside exported weights as JSON)."""
+
+    size: str = "tiny"
+    block: str = "cross"
+    patch_size: int = 2
+    in_channels: int = 4
+    text_dim: int = 64  # features of a text token
+    pooled_dim: int = 32  # features of the pooled text
+    qk_norm: str = "rms"
+    position: str = "rope"
+    max_grid: int = 64
+
+    def __post_init__(self) -> None:
+        if self.size not in SIZES:
+            raise ValueError(f"unknown DiT size {self.size!r}; valid: {', '.join(SIZES)}")
+
+    @property
+    def hidden_size(self) -> int:
+        return SIZES[self.size].hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return SIZES[self.size].num_layers
+
+    @property
+    def head_dim(self) -> int:
+        return SIZES[self.size].head_dim
+
+    @property
+    def has_text_tokens(self) -> bool:
+        return self.block != "adaln"
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _norm(config: DiTConfig, affine: bool = False) -> nn.Module:
+    dim = config.hidden_size
+    if config.block == "llama":
+        return nn.RMSNorm(dim, eps=NORM_EPS, elementwise_affine=affine)
+    return nn.LayerNorm(dim, eps=NORM_EPS, elementwise_affine=affine)
+
+
+MODULATIONS = {"adaln": 6, "cross": 9, "llama": 6}  # vectors of D per block
+
+
+class Block(nn.Module):
+    """One transformer block (see the module docstring for the variants)."""
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        dim, head_dim, bias = config.hidden_size, config.head_dim, config.block != "llama"
+        self.variant = config.block
+        self.norm1 = _norm(config)
+        self.attn = Attention(dim, head_dim, config.qk_norm, bias)
+        if config.has_text_tokens:
+            self.norm_cross = _norm(config, affine=config.block == "llama")
+            self.cross = Attention(dim, head_dim, config.qk_norm, bias)
+        self.norm2 = _norm(config)
+        self.mlp = SwiGLU(dim) if config.block == "llama" else GeluMLP(dim)
+        self.modulation = nn.Linear(dim, MODULATIONS[config.block] * dim)
+
+    def forward(
+        self, x: Tensor, modulation_input: Tensor, rope: Tensor | None, text: Tensor | None,
+        attend_self, attend_cross, document: Tensor | None,
+    ) -> Tensor:  # fmt: skip
+        """``x`` ``[B, S, D]``; ``modulation_input`` ``[N, D]`` (one row per sample: B rows,
+        or a pack's N samples gathered per token through ``document`` ``[S]``)."""
+        vectors = self.modulation(modulation_input)
+        vectors = vectors[document][None] if document is not None else vectors[:, None]
+        chunks = vectors.chunk(MODULATIONS[self.variant], dim=-1)
+        shift1, scale1, gate1, shift2, scale2, gate2 = chunks[:6]
+        x = x + gate1 * self.attn(modulate(self.norm1(x), shift1, scale1), attend_self, rope=rope)
+        if self.variant == "cross":
+            shift_c, scale_c, gate_c = chunks[6:]
+            crossed = self.cross(modulate(self.norm_cross(x), shift_c, scale_c), attend_cross, text)
+            x = x + gate_c * crossed
+        elif self.variant == "llama":
+            x = x + self.cross(self.norm_cross(x), attend_cross, text)
+        return x + gate2 * self.mlp(modulate(self.norm2(x), shift2, scale2))
+
+
+class FinalLayer(nn.Module):
+    """Modulated norm, then a linear map of each token to its patch's ``C·p·p`` values."""
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        dim = config.hidden_size
+        self.norm = _norm(config)
+        self.modulation = nn.Linear(dim, 2 * dim)
+        self.linear = nn.Linear(dim, config.patch_size**2 * config.in_channels)
+
+    def forward(self, x: Tensor, modulation_input: Tensor, document: Tensor | None) -> Tensor:
+        vectors = self.modulation(modulation_input)
+        vectors = vectors[document][None] if document is not None else vectors[:, None]
+        shift, scale = vectors.chunk(2, dim=-1)
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+class DiT(nn.Module):
+    """The diffusion transformer of :class:`DiTConfig`."""
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim, patch = config.hidden_size, config.patch_size
+        self.patch_embed = nn.Linear(config.in_channels * patch * patch, dim)
+        self.time_embed = MLPEmbedder(FREQUENCY_DIM, dim, nn.SiLU())
+        self.pooled_embed = MLPEmbedder(config.pooled_dim, dim, nn.SiLU())
+        if config.has_text_tokens:
+            self.text_embed = MLPEmbedder(config.text_dim, dim, nn.GELU(approximate="tanh"))
+        if config.position == "learned":
+            self.pos_embed = nn.Parameter(torch.zeros(config.max_grid, config.max_grid, dim))
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.final = FinalLayer(config)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections, N(0, 0.02) embedders and positions, zero modulations and
+        output (DiT's ``initialize_weights``); a llama block's cross output starts at zero."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        embedders = [self.time_embed, self.pooled_embed, getattr(self, "text_embed", None)]
+        for embedder in filter(None, embedders):
+            nn.init.normal_(embedder.linear_1.weight, std=0.02)
+            nn.init.normal_(embedder.linear_2.weight, std=0.02)
+        if self.config.position == "learned":
+            nn.init.normal_(self.pos_embed, std=0.02)
+        zeroed = [block.modulation for block in self.blocks]
+        zeroed += [self.final.modulation, self.final.linear]
+        if self.config.block == "llama":
+            zeroed += [block.cross.to_out for block in self.blocks]
+        for linear in zeroed:
+            nn.init.zeros_(linear.weight)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+
+    # -- the shared trunk -----------------------------------------------------------------
+    def _positions(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Add the position embedding (sincos, learned) or return RoPE angles."""
+        config = self.config
+        if config.position == "rope":
+            return tokens, rope_angles(positions, config.head_dim)
+        if config.position == "sincos":
+            return tokens + sincos_embedding(positions, config.hidden_size).to(tokens.dtype), None
+        rows, cols = positions[..., 1], positions[..., 2]
+        if int(rows.max()) >= config.max_grid or int(cols.max()) >= config.max_grid:
+            raise ValueError(
+                f"model.dit.max_grid: the learned position table covers {config.max_grid} "
+                "patches per side, this input has more; raise it or use position: rope"
+            )
+        return tokens + self.pos_embed[rows, cols].to(tokens.dtype), None
+
+    def _trunk(
+        self, tokens: Tensor, positions: Tensor, timesteps: Tensor, text: Tensor | None,
+        pooled: Tensor, attend_self, attend_cross, document: Tensor | None,
+    ) -> Tensor:  # fmt: skip
+        x, rope = self._positions(self.patch_embed(tokens), positions)
+        dtype = x.dtype
+        condition = self.time_embed(timestep_features(timesteps).to(dtype))
+        condition = nn.functional.silu(condition + self.pooled_embed(pooled.to(dtype)))
+        if document is not None:  # a pack's padding tokens read a zero condition
+            condition = torch.cat([condition, condition.new_zeros(1, condition.shape[1])])
+        context = None
+        if self.config.has_text_tokens and text is not None:
+            context = self.text_embed(text.to(dtype))
+        for block in self.blocks:
+            x = block(x, condition, rope, context, attend_self, attend_cross, document)
+        return self.final(x, condition, document)
+
+    # -- entry points ---------------------------------------------------------------------
+    def forward(self, x: Tensor, timesteps: Tensor, text: Tensor | None, pooled: Tensor) -> Tensor:
+        """``x`` ``[B, C, h, w]`` latents, ``timesteps`` ``[B]``, ``text`` ``[B, L, text_dim]``
+        tokens, ``pooled`` ``[B, pooled_dim]`` → the prediction ``[B, C, h, w]``."""
+        patch = self.config.patch_size
+        rows, cols = x.shape[-2] // patch, x.shape[-1] // patch
+        positions = grid_positions(rows, cols).to(x.device)[None]
+        out = self._trunk(
+            patchify(x, patch), positions, timesteps, text, pooled, dense, dense, None
+        )
+        return unpatchify(out, patch, self.config.in_channels, rows, cols)
+
+    def forward_packed(
+        self, groups: list[Tensor], timesteps: Tensor, text: Tensor | None, pooled: Tensor,
+        capacity: int | None = None, kernel: str = "auto",
+    ) -> list[Tensor]:  # fmt: skip
+        """Samples of different shapes in one sequence: ``groups`` of same-shaped latents
+        ``[n_g, C, h_g, w_g]``; ``timesteps`` ``[N]``, ``text`` ``[N, L, text_dim]`` and
+        ``pooled`` ``[N, pooled_dim]`` for the N samples in group order. The pack holds
+        ``capacity`` tokens (default: the next multiple of 128). Returns the predictions of
+        each group, shaped as it."""
+        patch, device = self.config.patch_size, groups[0].device
+        grids = [
+            (g.shape[-2] // patch, g.shape[-1] // patch) for g in groups for _ in range(g.shape[0])
+        ]
+        pack = plan_pack(grids, capacity, device)
+        tokens = torch.cat([patchify(g, patch).flatten(0, 1) for g in groups])
+        padding = tokens.new_zeros(pack.capacity - pack.num_tokens, tokens.shape[-1])
+        tokens = torch.cat([tokens, padding])[None]
+        dtype = (
+            torch.get_autocast_dtype(device.type)
+            if torch.is_autocast_enabled(device.type)
+            else tokens.dtype
+        )
+        kernel = pick_kernel(kernel, device, dtype)
+        text_length = text.shape[1] if text is not None else 1
+        attention = PackAttention(pack, text_length, kernel)
+        context = None if text is None else text.flatten(0, 1)[None]
+        out = self._trunk(
+            tokens, pack.positions[None], timesteps, context, pooled,
+            attention.self_attention, attention.cross_attention, pack.document,
+        )[0]  # fmt: skip
+        predictions, start = [], 0
+        for group in groups:
+            count, rows, cols = group.shape[0], group.shape[-2] // patch, group.shape[-1] // patch
+            length = count * rows * cols
+            piece = out[start : start + length].reshape(count, rows * cols, -1)
+            predictions.append(unpatchify(piece, patch, self.config.in_channels, rows, cols))
+            start += length
+        return predictions

@@ -1,0 +1,45 @@
+"""The DiT family's config section, ``model.dit``: the architecture beyond its size.
+
+Validated like every section (unknown key, wrong type or value: one line naming
+``model.dit.<key>``) when the family is built or a run's config is checked.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from impasto.config.section import Int, Section
+
+MAX_GRID = 1024  # patches per side of a learned position table
+
+
+class DiTOptions(Section):
+    """``model.dit``: block variant, patches, positions, normalisation and attention kernel."""
+
+    block: Literal["adaln", "cross", "llama"] = Field(
+        "cross",
+        description="adaln: adaLN-Zero from time and pooled text (DiT); cross: adaLN-Zero plus "
+        "cross-attention to the text tokens (NeMo's default); llama: RMSNorm, SwiGLU, adaLN "
+        "modulation and cross-attention (MovieGen)",
+    )
+    patch_size: Literal[1, 2, 4] = Field(2, description="latent pixels per patch side")
+    qk_norm: Literal["rms", "layer", "none"] = Field(
+        "rms", description="normalise queries and keys per head (training stability)"
+    )
+    position: Literal["rope", "sincos", "learned"] = Field(
+        "rope",
+        description="rope: axial rotary positions over (frame, row, column); sincos: fixed 2-D "
+        "sine-cosine embedding added to the tokens (DiT); learned: a table of max_grid patches "
+        "per side",
+    )
+    max_grid: Int = Field(
+        64, ge=1, le=MAX_GRID, description="patches per side of the learned position table"
+    )
+    attention: Literal["auto", "flex", "varlen", "sdpa"] = Field(
+        "auto",
+        description="the kernel of packed batches: flex (FlexAttention document mask), varlen "
+        "(torch.nn.attention.varlen, CUDA, bf16/fp16), sdpa (a masked scaled_dot_product_"
+        "attention); auto: varlen on CUDA in bf16/fp16, else flex on CUDA, sdpa on the CPU",
+    )

@@ -1,0 +1,35 @@
+"""The DiT's sizes: the DiT paper's S, B, L, XL (Peebles & Xie 2023, arXiv:2212.09748, Table 1),
+NeMo's large cross-attention shapes, and ``tiny`` for CPU tests and the demo.
+
+A size fixes depth, width and heads; the block variant, patch size and positions are options
+(:mod:`impasto.models.dit.options`). NeMo's ``DiT7BConfig`` is 32 layers of width 3072 with 24
+heads; NeMo does not publish its 28B shape, so ``28b`` is MovieGen's width (6144, 48 heads,
+Polyak et al. 2024) at the depth where the cross-attention DiT holds 28 B parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DiTSize:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+SIZES: dict[str, DiTSize] = {
+    "tiny": DiTSize(num_layers=4, hidden_size=96, num_heads=4),
+    "s": DiTSize(num_layers=12, hidden_size=384, num_heads=6),
+    "b": DiTSize(num_layers=12, hidden_size=768, num_heads=12),
+    "l": DiTSize(num_layers=24, hidden_size=1024, num_heads=16),
+    "xl": DiTSize(num_layers=28, hidden_size=1152, num_heads=16),
+    "7b": DiTSize(num_layers=32, hidden_size=3072, num_heads=24),
+    "28b": DiTSize(num_layers=30, hidden_size=6144, num_heads=48),
+}
+"""``model.preset`` of the DiT family → its size."""
