@@ -235,6 +235,8 @@ class Batch:
         latent_mean, latent_std: cached VAE posteriors ``[B, C, h, w]`` (storage dtype), or None.
         prompt_embeds, pooled_prompt_embeds: cached text encodings, or None (encode on the fly).
         skipped: the dropped examples, with names and reasons.
+        groups: a pack of several image sizes (``data.pack_tokens``): one batch per size, the
+            image tensors there (here None); the rows here are theirs, in their order.
         reencoded: the cached text embeddings of this batch's captions that were damaged, so
             encoded on the fly (their examples are in the batch; the data stream keeps the
             ones it had not met before, like ``skipped``).
@@ -256,6 +258,7 @@ class Batch:
     pooled_prompt_embeds: torch.Tensor | None = None
     skipped: tuple[Skipped, ...] = ()
     reencoded: tuple[Reencoded, ...] = ()
+    groups: tuple[Batch, ...] | None = None
 
     @property
     def size(self) -> int:
@@ -269,7 +272,13 @@ class Batch:
             for field in fields(self)
             if isinstance(getattr(self, field.name), torch.Tensor)
         }
+        if self.groups is not None:
+            moved["groups"] = tuple(group.to(device, non_blocking) for group in self.groups)
         return replace(self, **moved)
+
+    def shape_groups(self) -> tuple[Batch, ...]:
+        """The batch as batches of one image size each: ``groups`` of a pack, else itself."""
+        return self.groups if self.groups is not None else (self,)
 
     def pin_memory(self) -> Batch:
         """A copy in pinned host memory; ``DataLoader(pin_memory=True)`` calls this."""
@@ -278,6 +287,8 @@ class Batch:
             for field in fields(self)
             if isinstance(getattr(self, field.name), torch.Tensor)
         }
+        if self.groups is not None:
+            pinned["groups"] = tuple(group.pin_memory() for group in self.groups)
         return replace(self, **pinned)
 
 
@@ -307,7 +318,8 @@ def collate_examples(examples: Sequence[Example | Skipped]) -> Batch:
         return Batch(None, [], empty, empty, empty, torch.zeros(0, dtype=torch.long),
                      num_bad=len(skipped), skipped=skipped)  # fmt: skip
     target_sizes = {example.target_size for example in good}
-    assert len(target_sizes) == 1, f"examples of different sizes collated together: {target_sizes}"
+    if len(target_sizes) > 1:  # a pack (data.pack_tokens): one sub-batch per shape
+        return _collate_groups(good, skipped)
     positions = {example.position for example in good}
     assert len(positions) == 1, f"examples from different batches collated together: {positions}"
     return Batch(
@@ -326,4 +338,29 @@ def collate_examples(examples: Sequence[Example | Skipped]) -> Batch:
         pooled_prompt_embeds=_stack(good, "pooled_prompt_embeds"),
         skipped=skipped,
         reencoded=tuple(example.reencoded for example in good if example.reencoded is not None),
+    )
+
+
+def _collate_groups(good: list[Example], skipped: tuple[Skipped, ...]) -> Batch:
+    """A batch of several image sizes: ``groups`` holds one batch per size (in order of first
+    appearance); the batch itself lists every row in that order, without image tensors."""
+    by_size: dict[tuple[int, int] | None, list[Example]] = {}
+    for example in good:
+        by_size.setdefault(example.target_size, []).append(example)
+    groups = tuple(collate_examples(members) for members in by_size.values())
+    rows = [example for members in by_size.values() for example in members]
+    bare = [
+        replace(example, target_size=(0, 0), pixel_values=None, latent_mean=None, latent_std=None)
+        for example in rows
+    ]
+    whole = collate_examples(bare)
+    return replace(
+        whole,
+        pixel_values=None,
+        target_sizes=torch.cat([group.target_sizes for group in groups]),
+        latent_mean=None,
+        latent_std=None,
+        num_bad=len(skipped),
+        skipped=skipped,
+        groups=groups,
     )

@@ -590,5 +590,7 @@ class UnsyncedCounts:
 def batch_shapes(batch: Batch) -> tuple:
     """What decides a step's FLOPs: the shapes of the batch's tensors (the bucket, cached or
     encoded on the fly, the caption length)."""
+    if batch.groups is not None:  # a pack: the shapes of each of its groups
+        return tuple(batch_shapes(group) for group in batch.groups)
     tensors = (batch.pixel_values, batch.latent_mean, batch.prompt_embeds, batch.loss_masks)
     return tuple(None if t is None else tuple(t.shape) for t in tensors) + (len(batch.captions),)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from impasto.data import Batch
+from impasto.data.seeding import derive_seed
 from impasto.models.backbone import Backbone
 from impasto.objectives.objective import Objective
 from impasto.train.memo import EncodingMemo
@@ -78,15 +79,87 @@ def denoising_loss(
     noisy_latents, target, model_times = objective.noised(latents, noise, noise_for_input, times)
     with autocast():
         prediction = backbone.forward(noisy_latents, model_times, condition)
-    mask = None
-    if batch.loss_masks is not None:  # pixel masks → latent resolution (mean over each cell)
-        mask = F.interpolate(
-            batch.loss_masks.to(device).float(), size=latents.shape[-2:], mode="area"
-        )
-    per_sample = objective.per_sample_loss(prediction, target, times, mask=mask)
+    per_sample = objective.per_sample_loss(
+        prediction, target, times, mask=latent_mask(batch, latents)
+    )
+    return _weighted(per_sample, batch, model_times)
+
+
+def latent_mask(batch: Batch, latents: Tensor) -> Tensor | None:
+    """The batch's pixel loss masks at the latents' resolution (the mean over each cell)."""
+    if batch.loss_masks is None:
+        return None
+    masks = batch.loss_masks.to(latents.device).float()
+    return F.interpolate(masks, size=latents.shape[-2:], mode="area")
+
+
+def _weighted(per_sample: Tensor, batch: Batch, model_times: Tensor) -> DenoiseOutput:
     if batch.loss_weights is not None:
         per_sample = per_sample * batch.loss_weights.to(per_sample)
     return DenoiseOutput(per_sample.mean(), per_sample.detach(), model_times)
+
+
+@dataclass
+class _Noised:
+    """One shape group of a pack, noised: model input, target, times."""
+
+    x_t: Tensor
+    target: Tensor
+    times: Tensor
+    model_times: Tensor
+    mask: Tensor | None
+
+
+def packed_denoising_loss(
+    backbone: Backbone,
+    objective: Objective,
+    batch: Batch,
+    generator: torch.Generator,
+    autocast: Callable[[], AbstractContextManager],
+    capacity: int,
+    memo: EncodingMemo | None = None,
+    train_text: bool = False,
+    rows: Rows = WHOLE_STEP,
+) -> DenoiseOutput:
+    """The loss of one pack (``data.pack_tokens``): the mean over its images of each image's
+    loss, every image with its own posterior sample, noise and time (each shape group's times
+    drawn at its own resolution), all predicted in one forward of the pack.
+
+    A pack's images vary in number, so its draws come from a generator of its own, seeded from
+    the step's generator and the pack's slot in the step (:class:`Rows`): the same on any
+    number of ranks and accumulation steps."""
+    device = backbone.device
+    memo = memo or EncodingMemo(latents=False, text_embeddings=False)
+    step_seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # a CPU draw: no sync
+    generator = torch.Generator().manual_seed(derive_seed(step_seed, rows.slot))
+    groups, conditions = batch.shape_groups(), []
+    noised = []
+    for group in groups:
+        with torch.no_grad():
+            mean, std = memo.posterior(backbone, group)
+            noise_for_posterior = torch.randn(mean.shape, generator=generator)
+            sample = mean + std * noise_for_posterior.to(device, std.dtype)
+            latents = backbone.encode_latents(sample).float()
+        text = backbone.text_from_cache(group)
+        if text is None:
+            with torch.set_grad_enabled(train_text):
+                text = memo.text(backbone, group.captions, autocast)
+        conditions.append(backbone.condition(text, group))
+        noise = torch.randn(latents.shape, generator=generator).to(device)
+        height, width = group.target_sizes[0].tolist()
+        times = objective.sample_times(latents.shape[0], generator, device, (height, width))
+        noise, noise_for_input = objective.shape_noise(noise, generator)
+        x_t, target, model_times = objective.noised(latents, noise, noise_for_input, times)
+        noised.append(_Noised(x_t, target, times, model_times, latent_mask(group, latents)))
+    with autocast():
+        predictions = backbone.forward_packed(
+            [n.x_t for n in noised], [n.model_times for n in noised], conditions, capacity
+        )
+    per_sample = torch.cat([
+        objective.per_sample_loss(prediction, n.target, n.times, mask=n.mask)
+        for prediction, n in zip(predictions, noised, strict=True)
+    ])  # fmt: skip
+    return _weighted(per_sample, batch, torch.cat([n.model_times for n in noised]))
 
 
 class DenoiseMethod:
@@ -99,16 +172,23 @@ class DenoiseMethod:
         self.objective = Objective.from_config(context.config.objective)
         self.memo = EncodingMemo.from_config(context.config)
         self.autocast = context.autocast
+        self.pack_tokens = context.config.data.pack_tokens  # batches are packs
         # Encode captions with gradients when a part other than the denoiser (a text encoder)
         # trains.
         parts, denoiser = context.backbone.parts(), context.backbone.denoiser()
         self.train_text = any(parts[name] is not denoiser for name in context.trained_parts)
 
     def step(self, batch: Batch, generator: torch.Generator, rows: Rows = WHOLE_STEP) -> StepOutput:
-        out = denoising_loss(
-            self.backbone, self.objective, batch, generator, self.autocast, self.memo,
-            train_text=self.train_text, rows=rows,
-        )  # fmt: skip
+        if self.pack_tokens is not None:
+            out = packed_denoising_loss(
+                self.backbone, self.objective, batch, generator, self.autocast,
+                self.pack_tokens, self.memo, train_text=self.train_text, rows=rows,
+            )  # fmt: skip
+        else:
+            out = denoising_loss(
+                self.backbone, self.objective, batch, generator, self.autocast, self.memo,
+                train_text=self.train_text, rows=rows,
+            )  # fmt: skip
         fraction = out.timesteps / self.objective.num_train_timesteps
         return StepOutput(
             out.loss, time_bucket_metrics(out.per_sample_loss, fraction, TIME_BUCKETS)
