@@ -218,11 +218,13 @@ class DiT(nn.Module):
 
     # -- entry points ---------------------------------------------------------------------
     def forward(self, x: Tensor, timesteps: Tensor, text: Tensor | None, pooled: Tensor) -> Tensor:
-        """``x`` ``[B, C, h, w]`` latents, ``timesteps`` ``[B]``, ``text`` ``[B, L, text_dim]``
-        tokens, ``pooled`` ``[B, pooled_dim]`` → the prediction ``[B, C, h, w]``."""
+        """``x`` ``[B, C, h, w]`` latents, ``timesteps`` ``[B]`` (or one for all), ``text``
+        ``[B, L, text_dim]`` tokens, ``pooled`` ``[B, pooled_dim]`` → the prediction
+        ``[B, C, h, w]``."""
         patch = self.config.patch_size
         rows, cols = x.shape[-2] // patch, x.shape[-1] // patch
         positions = grid_positions(rows, cols).to(x.device)[None]
+        timesteps = timesteps.reshape(-1).expand(x.shape[0])  # one time for all, as a UNet takes
         out = self._trunk(
             patchify(x, patch), positions, timesteps, text, pooled, dense, dense, None
         )
