@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from impasto.models import autoencoder
 from impasto.models.backbone import (
     Batch,
     FamilySpec,
@@ -117,59 +118,21 @@ class SDXLBackbone:
         skip = self.unused_parameters(part)
         return adapter_layers(module, suffixes, skip)
 
-    # -- latents --------------------------------------------------------------------------
+    # -- latents (impasto.models.autoencoder) ------------------------------------------
     def latent_posterior(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
-        vae = self.components.vae
-        posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        return posterior.mean, posterior.std
-
-    def _latent_stats(self, like: Tensor) -> tuple[Tensor, Tensor] | None:
-        config = self.components.vae.config
-        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
-        if mean is None or std is None:
-            return None
-        return (
-            torch.tensor(mean).view(1, -1, 1, 1).to(like),
-            torch.tensor(std).view(1, -1, 1, 1).to(like),
-        )
+        return autoencoder.latent_posterior(self.components.vae, pixels)
 
     def encode_latents(self, sample: Tensor) -> Tensor:
-        """``(sample − mean) · scaling_factor / std`` where the VAE has latent statistics
-        (as diffusers), else ``sample · scaling_factor`` (SDXL)."""
-        scale = float(self.components.vae.config.scaling_factor)
-        stats = self._latent_stats(sample)
-        if stats is None:
-            return sample * scale
-        return (sample - stats[0]) * scale / stats[1]
+        return autoencoder.encode_latents(self.components.vae, sample)
 
     def decode_latents(self, latents: Tensor) -> Tensor:
-        """One image at a time: decoding is the peak-memory step at SDXL resolutions."""
-        with torch.no_grad():
-            return torch.cat([self.decode_images(latent).cpu() for latent in latents.split(1)])
+        return autoencoder.decode_latents(self.components.vae, latents)
 
     def decode_images(self, latents: Tensor, checkpointing: bool = False) -> Tensor:
-        """The inverse of :meth:`encode_latents`, then the decoder; [-1, 1] → [0, 1] clamped
-        (as the pipeline and NeMo-Aligner's DRaFT+). ``checkpointing``: diffusers' per-block
-        gradient checkpointing of the decoder."""
-        vae = self.components.vae
-        if checkpointing != vae.decoder.gradient_checkpointing:
-            if checkpointing:
-                vae.enable_gradient_checkpointing()
-            else:
-                vae.disable_gradient_checkpointing()
-        scale = float(vae.config.scaling_factor)
-        latents = latents.to(device=vae.device, dtype=vae.dtype)
-        stats = self._latent_stats(latents)
-        if stats is None:
-            latents = latents / scale
-        else:
-            latents = latents * stats[1] / scale + stats[0]
-        image = vae.decode(latents).sample.float()
-        return (image / 2 + 0.5).clamp(0, 1)
+        return autoencoder.decode_images(self.components.vae, latents, checkpointing)
 
     def latent_format(self) -> tuple[int, int]:
-        config = self.components.vae.config
-        return int(config.latent_channels), 2 ** (len(config.block_out_channels) - 1)
+        return autoencoder.latent_format(self.components.vae)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         factor = self.latent_format()[1]

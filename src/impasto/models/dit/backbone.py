@@ -4,8 +4,8 @@ the DiT, its text encoders and its autoencoder are called.
 Text conditioning is SDXL's (both CLIP encoders' penultimate hidden states concatenated for the
 tokens, encoder 2's projected pooled output for the modulation; :func:`encode_prompts`), so the
 text cache, caption dropout and the samplers' empty prompt work unchanged. Latents come from
-any diffusers ``AutoencoderKL``: the demo VAE (default), SDXL's, or a 16-channel one (SD3 /
-FLUX: ``shift_factor``), with its scale and shift.
+any diffusers ``AutoencoderKL`` (:mod:`impasto.models.autoencoder`): the demo VAE (default),
+SDXL's, or a 16-channel one (SD3 / FLUX: ``shift_factor``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from diffusers import AutoencoderKL
 from torch import Tensor, nn
 
+from impasto.models import autoencoder
 from impasto.models.backbone import Batch, adapter_layers
 from impasto.models.components import (
     TEXT_TARGETS,
@@ -121,41 +122,21 @@ class DiTBackbone:
             getattr(self.components, part), suffixes, self.unused_parameters(part)
         )
 
-    # -- latents --------------------------------------------------------------------------
+    # -- latents (impasto.models.autoencoder) ------------------------------------------
     def latent_posterior(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
-        vae = self.components.vae
-        posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        return posterior.mean, posterior.std
-
-    def _scale_shift(self) -> tuple[float, float]:
-        config = self.components.vae.config
-        return float(config.scaling_factor), float(getattr(config, "shift_factor", None) or 0.0)
+        return autoencoder.latent_posterior(self.components.vae, pixels)
 
     def encode_latents(self, sample: Tensor) -> Tensor:
-        """``(sample − shift_factor) · scaling_factor`` (diffusers' SD3 / FLUX convention; the
-        shift is 0 for SDXL's and the demo's VAE)."""
-        scale, shift = self._scale_shift()
-        return (sample - shift) * scale
+        return autoencoder.encode_latents(self.components.vae, sample)
 
     def decode_latents(self, latents: Tensor) -> Tensor:
-        with torch.no_grad():
-            return torch.cat([self.decode_images(latent).cpu() for latent in latents.split(1)])
+        return autoencoder.decode_latents(self.components.vae, latents)
 
     def decode_images(self, latents: Tensor, checkpointing: bool = False) -> Tensor:
-        vae = self.components.vae
-        if checkpointing != vae.decoder.gradient_checkpointing:
-            if checkpointing:
-                vae.enable_gradient_checkpointing()
-            else:
-                vae.disable_gradient_checkpointing()
-        scale, shift = self._scale_shift()
-        latents = latents.to(device=vae.device, dtype=vae.dtype) / scale + shift
-        image = vae.decode(latents).sample.float()
-        return (image / 2 + 0.5).clamp(0, 1)
+        return autoencoder.decode_images(self.components.vae, latents, checkpointing)
 
     def latent_format(self) -> tuple[int, int]:
-        config = self.components.vae.config
-        return int(config.latent_channels), 2 ** (len(config.block_out_channels) - 1)
+        return autoencoder.latent_format(self.components.vae)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         channels, factor = self.latent_format()

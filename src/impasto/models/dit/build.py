@@ -53,16 +53,19 @@ def random_sdxl_text_encoders() -> tuple[nn.Module, nn.Module]:
     )
 
 
-def load_text_encoders(path: str | Path) -> tuple[nn.Module, nn.Module, Any, Any]:
-    """The two CLIP encoders and tokenizers of a diffusers SDXL folder (float32, offline)."""
+def load_text_encoders(
+    path: str | Path, setting: str = "model.text_encoder"
+) -> tuple[nn.Module, nn.Module, Any, Any]:
+    """The two CLIP encoders and tokenizers of a folder in the diffusers SDXL layout (an SDXL
+    folder or an exported DiT), float32, offline; ``setting`` names the config key in errors."""
     from impasto.models.io import TRANSFORMERS_DTYPE_KWARG, load_component, load_tokenizer
 
     root = Path(path)
     for sub in ("text_encoder", "text_encoder_2"):
         if not (root / sub / "config.json").is_file():
             raise ValueError(
-                f"model.text_encoder {root}: no {sub}/config.json; point it at a diffusers "
-                "SDXL folder (text_encoder/ and text_encoder_2/ inside)"
+                f"{setting} {root}: no {sub}/config.json; it needs the diffusers SDXL layout "
+                "(text_encoder/ and text_encoder_2/ inside)"
             )
     fp32 = {TRANSFORMERS_DTYPE_KWARG: torch.float32}
     return (

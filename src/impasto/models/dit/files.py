@@ -69,10 +69,8 @@ def read_dit_record(path: str | Path) -> dict[str, Any]:
 
 def load_dit_folder(path: str | Path) -> DiTComponents:
     """The exported DiT at ``path``, float32, eval mode, offline."""
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
-
-    from impasto.models.io import TRANSFORMERS_DTYPE_KWARG, load_component, load_tokenizer
-    from impasto.models.tokenizers import TOKENIZER_2_PAD_TOKEN, TOKENIZER_PAD_TOKEN
+    from impasto.models.dit.build import load_text_encoders
+    from impasto.models.io import load_component
 
     root = Path(path)
     record = read_dit_record(root)
@@ -91,15 +89,9 @@ def load_dit_folder(path: str | Path) -> DiTComponents:
     if result.missing_keys or result.unexpected_keys:
         bad = (result.missing_keys or result.unexpected_keys)[0]
         raise ValueError(f"model.path {root}: {WEIGHTS_FILE} does not fit {CONFIG_FILE} ({bad!r})")
-    fp32 = {TRANSFORMERS_DTYPE_KWARG: torch.float32}
-    components = DiTComponents(
-        transformer=transformer,
-        vae=load_component(AutoencoderKL, root, "vae", torch_dtype=torch.float32),
-        text_encoder=load_component(CLIPTextModel, root, "text_encoder", **fp32),
-        text_encoder_2=load_component(CLIPTextModelWithProjection, root, "text_encoder_2", **fp32),
-        tokenizer=load_tokenizer(root, "tokenizer", TOKENIZER_PAD_TOKEN),
-        tokenizer_2=load_tokenizer(root, "tokenizer_2", TOKENIZER_2_PAD_TOKEN),
-    )
+    encoder, encoder_2, tokenizer, tokenizer_2 = load_text_encoders(root, "model.path")
+    vae = load_component(AutoencoderKL, root, "vae", torch_dtype=torch.float32)
+    components = DiTComponents(transformer, vae, encoder, encoder_2, tokenizer, tokenizer_2)
     for module in components.networks().values():
         module.eval()
     return components

@@ -58,8 +58,39 @@ def denoising_loss(
     ``memo`` (``cache: memory``) reuses earlier encodings of the same images and captions;
     ``train_text``: the prompts are encoded with gradients (a text encoder trains).
     """
-    device = backbone.device
     memo = memo or EncodingMemo(latents=False, text_embeddings=False)
+    noised, condition = noised_batch(backbone, objective, batch, generator, autocast, memo,
+                                     train_text, rows)  # fmt: skip
+    with autocast():
+        prediction = backbone.forward(noised.x_t, noised.model_times, condition)
+    per_sample = objective.per_sample_loss(prediction, noised.target, noised.times, noised.mask)
+    return _weighted(per_sample, batch, noised.model_times)
+
+
+@dataclass
+class Noised:
+    """A batch of one image size, noised: model input, target, times, latent loss mask."""
+
+    x_t: Tensor
+    target: Tensor
+    times: Tensor
+    model_times: Tensor  # the denoiser's time input (flow: t·T)
+    mask: Tensor | None
+
+
+def noised_batch(
+    backbone: Backbone,
+    objective: Objective,
+    batch: Batch,
+    generator: torch.Generator,
+    autocast: Callable[[], AbstractContextManager],
+    memo: EncodingMemo,
+    train_text: bool,
+    rows: Rows,
+) -> tuple[Noised, object]:
+    """(the noised batch, its conditioning): the posterior sample, noise and times drawn for
+    the step's global batch (``rows``: this batch's place in it), in that order."""
+    device = backbone.device
     with torch.no_grad():
         mean, std = memo.posterior(backbone, batch)
         mine, total = rows.span(mean.shape[0])
@@ -76,13 +107,8 @@ def denoising_loss(
     times = objective.sample_times(total, generator, device, (height, width))
     noise, noise_for_input = objective.shape_noise(noise, generator)
     noise, noise_for_input, times = noise[mine], noise_for_input[mine], times[mine]
-    noisy_latents, target, model_times = objective.noised(latents, noise, noise_for_input, times)
-    with autocast():
-        prediction = backbone.forward(noisy_latents, model_times, condition)
-    per_sample = objective.per_sample_loss(
-        prediction, target, times, mask=latent_mask(batch, latents)
-    )
-    return _weighted(per_sample, batch, model_times)
+    x_t, target, model_times = objective.noised(latents, noise, noise_for_input, times)
+    return Noised(x_t, target, times, model_times, latent_mask(batch, latents)), condition
 
 
 def latent_mask(batch: Batch, latents: Tensor) -> Tensor | None:
@@ -97,17 +123,6 @@ def _weighted(per_sample: Tensor, batch: Batch, model_times: Tensor) -> DenoiseO
     if batch.loss_weights is not None:
         per_sample = per_sample * batch.loss_weights.to(per_sample)
     return DenoiseOutput(per_sample.mean(), per_sample.detach(), model_times)
-
-
-@dataclass
-class _Noised:
-    """One shape group of a pack, noised: model input, target, times."""
-
-    x_t: Tensor
-    target: Tensor
-    times: Tensor
-    model_times: Tensor
-    mask: Tensor | None
 
 
 def packed_denoising_loss(
@@ -128,29 +143,15 @@ def packed_denoising_loss(
     A pack's images vary in number, so its draws come from a generator of its own, seeded from
     the step's generator and the pack's slot in the step (:class:`Rows`): the same on any
     number of ranks and accumulation steps."""
-    device = backbone.device
     memo = memo or EncodingMemo(latents=False, text_embeddings=False)
     step_seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # a CPU draw: no sync
     generator = torch.Generator().manual_seed(derive_seed(step_seed, rows.slot))
-    groups, conditions = batch.shape_groups(), []
-    noised = []
-    for group in groups:
-        with torch.no_grad():
-            mean, std = memo.posterior(backbone, group)
-            noise_for_posterior = torch.randn(mean.shape, generator=generator)
-            sample = mean + std * noise_for_posterior.to(device, std.dtype)
-            latents = backbone.encode_latents(sample).float()
-        text = backbone.text_from_cache(group)
-        if text is None:
-            with torch.set_grad_enabled(train_text):
-                text = memo.text(backbone, group.captions, autocast)
-        conditions.append(backbone.condition(text, group))
-        noise = torch.randn(latents.shape, generator=generator).to(device)
-        height, width = group.target_sizes[0].tolist()
-        times = objective.sample_times(latents.shape[0], generator, device, (height, width))
-        noise, noise_for_input = objective.shape_noise(noise, generator)
-        x_t, target, model_times = objective.noised(latents, noise, noise_for_input, times)
-        noised.append(_Noised(x_t, target, times, model_times, latent_mask(group, latents)))
+    noised, conditions = [], []
+    for group in batch.shape_groups():  # each group's draws whole: the pack is its own batch
+        group_noised, condition = noised_batch(backbone, objective, group, generator, autocast,
+                                               memo, train_text, WHOLE_STEP)  # fmt: skip
+        noised.append(group_noised)
+        conditions.append(condition)
     with autocast():
         predictions = backbone.forward_packed(
             [n.x_t for n in noised], [n.model_times for n in noised], conditions, capacity

@@ -1,0 +1,81 @@
+"""A diffusers ``AutoencoderKL`` as every family uses it: the posterior of images, the map
+between its samples and the denoiser's latent space, and decoding to images.
+
+The latent map follows diffusers' conventions for each kind of VAE config:
+
+- ``latents_mean`` / ``latents_std`` given: ``(x − mean) · scaling_factor / std``;
+- ``shift_factor`` given (SD3, FLUX): ``(x − shift_factor) · scaling_factor``;
+- otherwise (SDXL, the demo VAE): ``x · scaling_factor``.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKL
+from torch import Tensor
+
+
+def latent_posterior(vae: AutoencoderKL, pixels: Tensor) -> tuple[Tensor, Tensor]:
+    """The posterior (mean, std) ``[B, C, h, w]`` of images in [-1, 1]."""
+    posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+    return posterior.mean, posterior.std
+
+
+def _latent_stats(vae: AutoencoderKL, like: Tensor) -> tuple[Tensor, Tensor] | None:
+    config = vae.config
+    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+    if mean is None or std is None:
+        return None
+    return (
+        torch.tensor(mean).view(1, -1, 1, 1).to(like),
+        torch.tensor(std).view(1, -1, 1, 1).to(like),
+    )
+
+
+def _shift(vae: AutoencoderKL) -> float:
+    return float(getattr(vae.config, "shift_factor", None) or 0.0)
+
+
+def encode_latents(vae: AutoencoderKL, sample: Tensor) -> Tensor:
+    """A posterior sample → the denoiser's latent space (see the module docstring)."""
+    scale = float(vae.config.scaling_factor)
+    stats = _latent_stats(vae, sample)
+    if stats is not None:
+        return (sample - stats[0]) * scale / stats[1]
+    shift = _shift(vae)
+    return (sample - shift) * scale if shift else sample * scale
+
+
+def decode_images(vae: AutoencoderKL, latents: Tensor, checkpointing: bool = False) -> Tensor:
+    """The inverse of :func:`encode_latents`, then the decoder; [-1, 1] → [0, 1] clamped (as
+    the pipelines and NeMo-Aligner's DRaFT+), float32 on the decoder's device, gradients
+    flowing to ``latents``. ``checkpointing``: diffusers' per-block gradient checkpointing
+    of the decoder."""
+    if checkpointing != vae.decoder.gradient_checkpointing:
+        if checkpointing:
+            vae.enable_gradient_checkpointing()
+        else:
+            vae.disable_gradient_checkpointing()
+    scale = float(vae.config.scaling_factor)
+    latents = latents.to(device=vae.device, dtype=vae.dtype)
+    stats = _latent_stats(vae, latents)
+    if stats is not None:
+        latents = latents * stats[1] / scale + stats[0]
+    else:
+        shift = _shift(vae)
+        latents = latents / scale + shift if shift else latents / scale
+    image = vae.decode(latents).sample.float()
+    return (image / 2 + 0.5).clamp(0, 1)
+
+
+def decode_latents(vae: AutoencoderKL, latents: Tensor) -> Tensor:
+    """:func:`decode_images` without gradients, one image at a time (decoding is the
+    peak-memory step at SDXL resolutions), float32 on the CPU."""
+    with torch.no_grad():
+        return torch.cat([decode_images(vae, latent).cpu() for latent in latents.split(1)])
+
+
+def latent_format(vae: AutoencoderKL) -> tuple[int, int]:
+    """(latent channels, the spatial downsampling factor)."""
+    config = vae.config
+    return int(config.latent_channels), 2 ** (len(config.block_out_channels) - 1)
