@@ -94,7 +94,7 @@ def trained_weights(run: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     them (whole tensors in this one process, from shards of any number of ranks)."""
     config, backbone = load_trained(run, ema=ema)
     parts = backbone.parts()
-    names = [name for name in parts if getattr(config.parts, name) != "frozen"]
+    names = [name for name in parts if config.parts.mode(name) != "frozen"]
     return {
         f"{name}.{key}": value for name in names for key, value in parts[name].state_dict().items()
     }
