@@ -53,7 +53,7 @@ def test_a_pack_predicts_what_each_sample_alone_does(block, position):
     config = DiTConfig(block=block, position=position)
     network = _perturbed(config)
     groups, times, text, pooled = _inputs(config)
-    packed = network.forward_packed(groups, times, text, pooled, capacity=384, kernel="sdpa")
+    packed = network.forward_packed(groups, times, text, pooled, capacity=384, kernel="grouped")
     alone = _one_by_one(network, groups, times, text, pooled)
     for got, want in zip(packed, alone, strict=True):
         assert got.shape == want.shape
@@ -62,15 +62,19 @@ def test_a_pack_predicts_what_each_sample_alone_does(block, position):
     assert (alone[0][0] - alone[0][1]).abs().max() > 1e-2
 
 
-def test_flex_and_sdpa_kernels_agree_on_a_pack():
+def test_flex_grouped_and_sdpa_kernels_agree_on_a_pack():
     config = DiTConfig(block="cross")
     network = _perturbed(config)
     groups, times, text, pooled = _inputs(config)
     with torch.no_grad():  # FlexAttention has no backward on the CPU
         flex = network.forward_packed(groups, times, text, pooled, kernel="flex")
-        sdpa = network.forward_packed(groups, times, text, pooled, kernel="sdpa")
-    for a, b in zip(flex, sdpa, strict=True):
+    sdpa = network.forward_packed(groups, times, text, pooled, kernel="sdpa")
+    grouped = network.forward_packed(groups, times, text, pooled, kernel="grouped")
+    for a, b, c in zip(flex, sdpa, grouped, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-5)
+    sum(out.square().sum() for out in grouped).backward()  # the CPU's kernel trains
+    assert network.blocks[0].attn.to_q.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen attention runs on CUDA only")
@@ -198,16 +202,17 @@ def test_a_16_channel_vaes_shift_and_scale_map_samples_to_latents_and_back():
 def test_an_exported_dit_folder_loads_back_exactly(tiny_raw, tmp_path):
     from impasto.config import build_config
     from impasto.models import build_backbone
-    from impasto.models.dit.files import read_dit_record, save_dit_folder
+    from impasto.models.dit.files import save_dit_folder
+    from impasto.models.exported import read_record
 
     tiny_raw["model"] = {"family": "dit", "preset": "tiny", "dit": {"block": "llama"}}
     backbone = build_backbone(build_config(tiny_raw))
     with torch.no_grad():
         for parameter in backbone.denoiser().parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
-    folder = save_dit_folder(backbone.components, tmp_path / "dit", {"prediction_type": "flow"},
-                             torch.float32)  # fmt: skip
-    assert read_dit_record(folder)["sampling"] == {"prediction_type": "flow"}
+    record = {"family": "dit", "objective": {"prediction_type": "epsilon"}, "resolution": 64}
+    folder = save_dit_folder(backbone, tmp_path / "dit", record, torch.float32)
+    assert read_record(folder)["resolution"] == 64
     tiny_raw["model"] = {"family": "dit", "path": str(folder)}
     loaded = build_backbone(build_config(tiny_raw))
     for name, module in backbone.modules().items():
@@ -215,6 +220,9 @@ def test_an_exported_dit_folder_loads_back_exactly(tiny_raw, tmp_path):
         assert want.keys() == got.keys(), name
         assert all(torch.equal(want[key], got[key]) for key in want), name
     assert loaded.components.transformer.config == backbone.components.transformer.config
-    (folder / "dit.json").write_text("{}")
-    with pytest.raises(ValueError, match="dit.json is not a DiT's"):
+    tiny_raw["objective"] = {"prediction_type": "flow"}
+    with pytest.raises(ValueError, match="trained with prediction_type epsilon"):
+        build_backbone(build_config(tiny_raw))
+    (folder / "impasto-model.json").write_text('{"family": "sdxl"}')
+    with pytest.raises(ValueError, match="holds a sdxl model, not a dit one"):
         build_backbone(build_config(tiny_raw))

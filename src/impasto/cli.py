@@ -350,10 +350,11 @@ def _add_export(sub: Subcommands) -> None:
     export.add_argument(
         "--format",
         required=True,
-        help="diffusers | single-file | lora-kohya | lora-diffusers",
+        help="a format of the run's model family: diffusers | single-file | lora-kohya | "
+        "lora-diffusers (SDXL), folder (DiT)",
     )
     export.add_argument(
-        "--out", required=True, help="output folder (diffusers formats) or .safetensors file"
+        "--out", required=True, help="output folder (diffusers, folder) or .safetensors file"
     )
     export.add_argument("--dtype", default="fp16", help="fp16 (default), bf16 or fp32")
     export.add_argument(

@@ -23,6 +23,7 @@ from impasto.config import Config
 from impasto.config.schema import ModelConfig, ObjectiveConfig, SampleConfig
 from impasto.models import SINGLE_FILE_SUFFIXES
 from impasto.models.backbone import Backbone, build_backbone
+from impasto.models.exported import RECORD_FILE, is_model_folder, read_record
 from impasto.models.markers import V_PRED_KEY, ZTSNR_KEY, marker_keys
 from impasto.objectives import SCHEDULES
 
@@ -44,27 +45,52 @@ class SamplingModel:
 
 def open_model(path: str | Path, ema: bool = False) -> SamplingModel:
     """The model at ``path``: a run directory (its newest checkpoint), a checkpoint directory,
-    a diffusers SDXL folder (``model_index.json``) or a single-file ``.safetensors``.
+    a folder a family exported itself (``impasto-model.json``), a diffusers SDXL folder
+    (``model_index.json``) or a single-file ``.safetensors``.
     ``ema``: a checkpoint's EMA weights (exported models have none)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: does not exist; check the path given to impasto sample")
     if is_run_checkpoint(path):
         return open_run(path, ema)
+    if is_model_folder(path):
+        _refuse_ema(path, ema)
+        return open_model_folder(path)
     exported = (path / "model_index.json").is_file() or (
         path.suffix.lower() in SINGLE_FILE_SUFFIXES and path.is_file()
     )
     if not exported:
         raise ValueError(
             f"{path}: neither a checkpoint (no state.json), a run directory with checkpoints/, "
-            "a diffusers SDXL folder (model_index.json) nor a single-file .safetensors"
+            "an exported model folder (impasto-model.json), a diffusers SDXL folder "
+            "(model_index.json) nor a single-file .safetensors"
         )
+    _refuse_ema(path, ema)
+    return open_exported(path)
+
+
+def _refuse_ema(path: Path, ema: bool) -> None:
     if ema:
         raise ValueError(
             f"--ema: {path} is an exported model, which holds one set of weights; export the "
             "run with --ema, or sample the run's checkpoint with --ema"
         )
-    return open_exported(path)
+
+
+def open_model_folder(path: Path) -> SamplingModel:
+    """A folder a family exported itself (:mod:`impasto.models.exported`): its record names
+    the family, the objective it was trained with and its size."""
+    record = read_record(path)
+    try:
+        objective = ObjectiveConfig.model_validate(record.get("objective") or {})
+        size = int(record.get("resolution") or 1024)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{path}: {RECORD_FILE} holds no valid objective ({error})") from None
+    model = ModelConfig(family=record["family"], path=str(path))
+    backbone = build_backbone(_ModelSource(model, objective))
+    for module in backbone.modules().values():
+        module.requires_grad_(False).eval()
+    return SamplingModel(path, backbone, objective, SampleConfig(), size, size)
 
 
 def open_run(path: Path, ema: bool) -> SamplingModel:

@@ -15,6 +15,10 @@ SDXL's (:mod:`impasto.export.sdxl`):
 - ``lora-kohya``: the adapters of a LoRA run in kohya's layout (``lora_unet_…``, SGM names),
   one ``.safetensors`` that ComfyUI, A1111 and Forge load.
 
+A family may also write formats of its own (``FamilySpec.exports``, :mod:`impasto.export.family`):
+the DiT's ``folder`` (weights, autoencoder, text encoders and ``impasto-model.json``, which
+``model.path`` and ``impasto sample`` read back; docs/dit.md).
+
 A LoRA run exports to the full-model formats only with ``merge=True`` (the adapters baked into
 the base weights). LoRA files carry kohya's ``ss_*`` training metadata
 (:mod:`impasto.export.metadata`).
@@ -36,25 +40,31 @@ from pathlib import Path
 from impasto.checkpoint.trained import read_checkpoint_config, resolve_checkpoint
 from impasto.export import sdxl  # registers SDXL's formats
 from impasto.export.base import DTYPES, EXPORTERS, Exporter, ExportOptions, register_exporter
+from impasto.export.family import family_exporter, family_formats
+from impasto.models.backbone import FAMILIES
 from impasto.models.parts import merge_adapters
 from impasto.permissions import apply_umask
 
 
 def exporter_for(family: str, fmt: str) -> Exporter:
-    """The exporter of format ``fmt`` for a run of ``model.family`` ``family``; a one-line
-    ``ValueError`` listing that family's formats when it has no ``fmt``."""
-    if family not in EXPORTERS:
+    """The exporter of format ``fmt`` for a run of ``model.family`` ``family``: one registered
+    in ``EXPORTERS`` (SDXL's), or one the family writes itself (``FamilySpec.exports``); a
+    one-line ``ValueError`` listing that family's formats when it has no ``fmt``."""
+    formats = [*EXPORTERS.get(family, {}), *family_formats(family)]
+    if not formats:
+        with_formats = sorted({*EXPORTERS, *(name for name in FAMILIES if family_formats(name))})
         raise ValueError(
             f"export: this run trained model.family {family!r}, which has no export formats; "
-            f"families with formats: {', '.join(EXPORTERS)}"
+            f"families with formats: {', '.join(with_formats)}"
         )
-    formats = EXPORTERS[family]
     if fmt not in formats:
         raise ValueError(
             f"export: unknown format {fmt!r} for model.family {family!r}; "
             f"valid: {', '.join(formats)}"
         )
-    return formats[fmt]
+    if fmt in EXPORTERS.get(family, {}):
+        return EXPORTERS[family][fmt]
+    return family_exporter(family, fmt)
 
 
 def export_checkpoint(

@@ -16,14 +16,15 @@ Terms:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ValidationError
 from torch import Tensor, nn
 
+from impasto.models.exported import FolderWriter
 from impasto.registry import lookup, registrar
 
 
@@ -148,12 +149,15 @@ BackboneBuilder = Callable[[Any], Backbone]  # (Config) -> Backbone
 class FamilySpec:
     """What the config of a family may name, known without building a model: its parts (in
     the backbone's order), its presets, and the pydantic section of its options
-    (``model.<family>``; None: it takes none), and whether it reads ``model.text_encoder``."""
+    (``model.<family>``; None: it takes none), whether it reads ``model.text_encoder``, and
+    the export formats it writes itself (``impasto export --format``: a writer of the rebuilt
+    backbone, :mod:`impasto.export.family`)."""
 
     parts: tuple[str, ...]
     presets: tuple[str, ...]
     options: type[BaseModel] | None = None
     reads_text_encoder: bool = False  # model.text_encoder: text encoders from another folder
+    exports: Mapping[str, FolderWriter] = field(default_factory=dict)  # format → its writer
 
     def read_options(self, raw: dict[str, Any], family: str) -> BaseModel | None:
         """The validated ``model.<family>`` section (ValueError naming the key if it is bad)."""
@@ -208,13 +212,13 @@ def adapter_layers(
 
 def split_rows(encoding: Any) -> list[Any]:
     """A dataclass of ``[B, ...]`` tensors → B dataclasses of single rows (on the CPU)."""
-    columns = [getattr(encoding, field.name) for field in fields(encoding)]
+    columns = [getattr(encoding, column.name) for column in fields(encoding)]
     size = columns[0].shape[0]
     return [type(encoding)(*(column[row].cpu() for column in columns)) for row in range(size)]
 
 
 def stack_rows(rows: list[Any], device: torch.device) -> Any:
     """The inverse of :func:`split_rows`: rows stacked into one dataclass on ``device``."""
-    names = [field.name for field in fields(rows[0])]
+    names = [column.name for column in fields(rows[0])]
     stacked = [torch.stack([getattr(row, name) for row in rows]).to(device) for name in names]
     return type(rows[0])(*stacked)

@@ -9,7 +9,11 @@ tokens only. Three kernels do that and agree (tests/test_dit.py):
   GPU; its backward needs CUDA);
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention over cumulative
   sequence lengths; CUDA, bf16/fp16);
-- ``sdpa``: ``scaled_dot_product_attention`` with a boolean mask (any device; memory S²).
+- ``grouped``: ``scaled_dot_product_attention`` over each run of same-length samples as a
+  batch of its own (a pack holds its shape groups one after another): no mask, no work across
+  samples; the CPU's kernel;
+- ``sdpa``: ``scaled_dot_product_attention`` with a boolean mask over the whole pack (any
+  device; memory and work S²).
 
 Padding tokens form a document of their own in self-attention and see all text tokens in
 cross-attention (so no row is empty); their outputs are discarded.
@@ -152,7 +156,45 @@ def _varlen(attention: PackAttention) -> tuple[Attend, Attend]:
     return self_attend, cross_attend
 
 
+def _runs(pack: Pack, text_length: int) -> list[tuple[int, int, int, int]]:
+    """(first token, first text token, samples, tokens per sample) of each run of consecutive
+    samples with as many tokens (a pack lays its shape groups out one after another)."""
+    runs: list[tuple[int, int, int, int]] = []
+    token = 0
+    for index, length in enumerate(pack.lengths):
+        if runs and runs[-1][3] == length:
+            first, first_text, count, _ = runs[-1]
+            runs[-1] = (first, first_text, count + 1, length)
+        else:
+            runs.append((token, index * text_length, 1, length))
+        token += length
+    return runs
+
+
+def _grouped(attention: PackAttention) -> tuple[Attend, Attend]:
+    runs = _runs(attention.pack, attention.text_length)
+    text_length = attention.text_length
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, cross: bool) -> Tensor:
+        out = torch.zeros_like(q)  # padding rows stay zero (discarded)
+        for first, first_text, count, length in runs:
+            rows = slice(first, first + count * length)
+            keys = slice(first_text, first_text + count * text_length) if cross else rows
+            key_length = text_length if cross else length
+            # [1, H, n·L, Dh] → [n, H, L, Dh]: the run's samples as a batch of their own
+            query = q[0, :, rows].unflatten(1, (count, length)).transpose(0, 1)
+            key, value = (
+                t[0, :, keys].unflatten(1, (count, key_length)).transpose(0, 1) for t in (k, v)
+            )
+            attended = F.scaled_dot_product_attention(query, key, value)
+            out[0, :, rows] = attended.transpose(0, 1).flatten(1, 2)
+        return out
+
+    return (lambda q, k, v: attend(q, k, v, False)), (lambda q, k, v: attend(q, k, v, True))
+
+
 PACK_KERNELS: dict[str, Callable[[PackAttention], tuple[Attend, Attend]]] = {
+    "grouped": _grouped,
     "sdpa": _sdpa,
     "flex": _flex,
     "varlen": _varlen,
@@ -165,5 +207,5 @@ def pick_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     if backend != "auto":
         return backend
     if device.type != "cuda":
-        return "sdpa"
+        return "grouped"
     return "varlen" if dtype in (torch.bfloat16, torch.float16) else "flex"

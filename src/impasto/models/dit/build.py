@@ -20,9 +20,11 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from impasto.models.backbone import FamilySpec, register_backbone, register_family
 from impasto.models.dit.backbone import PART_NAMES, DiTBackbone, DiTComponents
+from impasto.models.dit.files import save_dit_folder
 from impasto.models.dit.network import DiT, DiTConfig
 from impasto.models.dit.options import DiTOptions
 from impasto.models.dit.sizes import SIZES
+from impasto.models.exported import read_record
 from impasto.models.presets import DEMO_TEXT_INITIALIZER_FACTOR, tiny_text_encoders
 from impasto.models.tokenizers import (
     TOKENIZER_2_PAD_TOKEN,
@@ -32,7 +34,11 @@ from impasto.models.tokenizers import (
 from impasto.models.vae_files import load_demo_vae
 
 SPEC = FamilySpec(
-    parts=PART_NAMES, presets=tuple(SIZES), options=DiTOptions, reads_text_encoder=True
+    parts=PART_NAMES,
+    presets=tuple(SIZES),
+    options=DiTOptions,
+    reads_text_encoder=True,
+    exports={"folder": save_dit_folder},
 )
 
 
@@ -104,6 +110,17 @@ def build_preset(
     return DiTComponents(transformer, vae, encoder, encoder_2, tokenizer, tokenizer_2)
 
 
+def check_objective_fits(path: str, prediction_type: str) -> None:
+    """Refuse to continue an exported DiT with another prediction type than it learned (it
+    would unlearn its target within steps, as an SDXL v-pred file trained on ε)."""
+    trained = (read_record(path, "dit").get("objective") or {}).get("prediction_type")
+    if trained is not None and trained != prediction_type:
+        raise ValueError(
+            f"model.path {path}: this DiT was trained with prediction_type {trained}, the "
+            f"config says {prediction_type}; set objective.prediction_type: {trained}"
+        )
+
+
 @register_backbone("dit")
 def build_dit_backbone(config: Any) -> DiTBackbone:
     """The DiT of ``config.model``: a preset, or an exported DiT folder (``model.path``)."""
@@ -112,6 +129,7 @@ def build_dit_backbone(config: Any) -> DiTBackbone:
     model = config.model
     options = SPEC.read_options(model.options, "dit")
     if model.path is not None:
+        check_objective_fits(model.path, config.objective.prediction_type)
         components = load_dit_folder(model.path)
     else:
         vae = load_demo_vae()

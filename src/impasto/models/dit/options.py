@@ -37,9 +37,10 @@ class DiTOptions(Section):
     max_grid: Int = Field(
         64, ge=1, le=MAX_GRID, description="patches per side of the learned position table"
     )
-    attention: Literal["auto", "flex", "varlen", "sdpa"] = Field(
+    attention: Literal["auto", "flex", "varlen", "grouped", "sdpa"] = Field(
         "auto",
         description="the kernel of packed batches: flex (FlexAttention document mask), varlen "
-        "(torch.nn.attention.varlen, CUDA, bf16/fp16), sdpa (a masked scaled_dot_product_"
-        "attention); auto: varlen on CUDA in bf16/fp16, else flex on CUDA, sdpa on the CPU",
+        "(torch.nn.attention.varlen, CUDA, bf16/fp16), grouped (SDPA over each shape group), "
+        "sdpa (SDPA with a mask over the pack); auto: varlen on CUDA in bf16/fp16, else flex "
+        "on CUDA, grouped on the CPU",
     )
