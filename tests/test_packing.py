@@ -177,3 +177,16 @@ def test_a_packed_dit_run_mixes_buckets_and_resumes_bitwise(tmp_path, tiny_raw):
     a = load_file(whole.last_checkpoint / "transformer.safetensors")
     b = load_file(resumed.last_checkpoint / "transformer.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_dit_demo_fills_its_packs_to_97_percent():
+    from impasto.config import load_config
+
+    config = load_config(Path(__file__).parents[1] / "configs" / "demo-dit.yaml")
+    data = config.data
+    backbone = build_backbone(config)
+    sizes = [data.demo_sizes[i % len(data.demo_sizes)] for i in range(data.demo_num_images)]
+    tokens_of = [backbone.sequence_length(*size) for size in sizes]
+    assert sorted(set(tokens_of)) == [15, 16]  # 48x80 and 80x48: 15 tokens; 64x64: 16
+    layout = pack_layout(tokens_of, data.pack_tokens)
+    assert layout.utilisation >= 0.97, layout

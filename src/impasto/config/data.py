@@ -100,6 +100,11 @@ class DataConfig(Section):
         False, description="write the built-in demo dataset to `path` if it does not exist"
     )
     demo_num_images: Int = Field(16, ge=1, le=100_000)
+    demo_sizes: list[tuple[Resolution, Resolution]] | None = Field(
+        None,
+        description="generate_demo: (height, width) of the images in turn, for a dataset of "
+        "several aspect ratios (pair it with buckets: generated); default: resolution squares",
+    )
     resolution: Resolution = Field(64, description="square side, a multiple of 8")
     crop: Literal["center", "random"] = "center"
     random_flip: bool = False

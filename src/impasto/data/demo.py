@@ -7,7 +7,7 @@ image ``i`` is the same whatever ``num_images`` is, and identical bytes on every
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,18 +88,21 @@ def _combination(index: int, seed: int) -> tuple[str, str, str]:
     return colors[color_index], DEMO_SHAPES[shape_index], background
 
 
-def demo_spec(index: int, seed: int = 0, size: int = 64) -> DemoSpec:
-    """The :class:`DemoSpec` of image ``index`` of the demo dataset for ``seed``.
+def demo_spec(index: int, seed: int = 0, size: int = 64, width: int | None = None) -> DemoSpec:
+    """The :class:`DemoSpec` of image ``index`` of the demo dataset for ``seed``, on a canvas
+    ``size`` high and ``width`` wide (default: a square).
 
-    The shape's side is uniform in 30-70% of ``size`` and its position uniform such that it
-    lies fully inside the image.
+    The shape's side is uniform in 30-70% of the shorter side and its position uniform such
+    that it lies fully inside the image.
     """
+    width = size if width is None else width
     color, shape, background = _combination(index, seed)
     rng = np.random.default_rng(derive_seed(seed, index))
-    low = max(4, int(round(MIN_SHAPE_FRACTION * size)))
-    high = max(low, int(round(MAX_SHAPE_FRACTION * size)))
+    shorter = min(size, width)
+    low = max(4, int(round(MIN_SHAPE_FRACTION * shorter)))
+    high = max(low, int(round(MAX_SHAPE_FRACTION * shorter)))
     side = int(rng.integers(low, high + 1))
-    left = int(rng.integers(0, size - side + 1))
+    left = int(rng.integers(0, width - side + 1))
     top = int(rng.integers(0, size - side + 1))
     return DemoSpec(color=color, shape=shape, background=background, box=(left, top, side))
 
@@ -127,15 +130,23 @@ assert set(SHAPE_DRAWERS) == set(DEMO_SHAPES)
 assert not set(DEMO_COLORS.values()) & set(DEMO_BACKGROUNDS.values())
 
 
-def render_demo_image(spec: DemoSpec, size: int) -> Image.Image:
-    """Draw ``spec`` as a ``size`` x ``size`` RGB image (no anti-aliasing: two colours only)."""
-    image = Image.new("RGB", (size, size), DEMO_BACKGROUNDS[spec.background])
+def render_demo_image(spec: DemoSpec, size: int, width: int | None = None) -> Image.Image:
+    """Draw ``spec`` as an RGB image ``size`` high and ``width`` wide (default: a square), no
+    anti-aliasing: two colours only."""
+    width = size if width is None else width
+    image = Image.new("RGB", (width, size), DEMO_BACKGROUNDS[spec.background])
     left, top, side = spec.box
     SHAPE_DRAWERS[spec.shape](ImageDraw.Draw(image), left, top, side, DEMO_COLORS[spec.color])
     return image
 
 
-def write_demo_dataset(out_dir: Path, num_images: int = 16, size: int = 64, seed: int = 0) -> int:
+def write_demo_dataset(
+    out_dir: Path,
+    num_images: int = 16,
+    size: int = 64,
+    seed: int = 0,
+    sizes: Sequence[tuple[int, int]] | None = None,
+) -> int:
     """Write ``img-00000.png`` + ``img-00000.txt`` ... into ``out_dir``.
 
     Args:
@@ -144,6 +155,8 @@ def write_demo_dataset(out_dir: Path, num_images: int = 16, size: int = 64, seed
             (colour, shape, background) triple.
         size: image side in pixels.
         seed: dataset seed; the same seed gives byte-identical files.
+        sizes: (height, width) of the images in turn (image i: ``sizes[i % len(sizes)]``),
+            for a dataset of several aspect ratios; default: ``size`` squares.
 
     Returns:
         The number of images written.
@@ -151,8 +164,12 @@ def write_demo_dataset(out_dir: Path, num_images: int = 16, size: int = 64, seed
     out_dir = Path(out_dir)
     if num_images <= 0:
         raise ValueError(f"demo: num_images must be positive, got {num_images}")
-    if size < MIN_DEMO_SIZE:
-        raise ValueError(f"demo: size must be at least {MIN_DEMO_SIZE} pixels, got {size}")
+    sizes = list(sizes or [(size, size)])
+    for height, width in sizes:
+        if min(height, width) < MIN_DEMO_SIZE:
+            raise ValueError(
+                f"demo: sides must be at least {MIN_DEMO_SIZE} pixels, got {height}x{width}"
+            )
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"demo: {out_dir} is a file; pick a folder path for the demo dataset")
     if out_dir.is_dir() and any(out_dir.iterdir()):
@@ -161,8 +178,9 @@ def write_demo_dataset(out_dir: Path, num_images: int = 16, size: int = 64, seed
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     for index in range(num_images):
-        spec = demo_spec(index, seed, size)
+        height, width = sizes[index % len(sizes)]
+        spec = demo_spec(index, seed, height, width)
         stem = out_dir / f"img-{index:05d}"
-        render_demo_image(spec, size).save(stem.with_suffix(".png"), format="PNG")
+        render_demo_image(spec, height, width).save(stem.with_suffix(".png"), format="PNG")
         stem.with_suffix(".txt").write_text(spec.caption + "\n", encoding="utf-8")
     return num_images

@@ -74,8 +74,9 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
     data = config.data
     if main and data.generate_demo and not Path(data.path).exists():
         count = write_demo_dataset(
-            Path(data.path), data.demo_num_images, data.resolution, seed=config.train.seed
-        )
+            Path(data.path), data.demo_num_images, data.resolution, seed=config.train.seed,
+            sizes=data.demo_sizes,
+        )  # fmt: skip
         print(f"impasto: wrote {count} demo images to {data.path}")
     barrier()
     if data.prompts is not None:

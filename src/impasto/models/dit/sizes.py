@@ -24,7 +24,7 @@ class DiTSize:
 
 
 SIZES: dict[str, DiTSize] = {
-    "tiny": DiTSize(num_layers=4, hidden_size=96, num_heads=4),
+    "tiny": DiTSize(num_layers=6, hidden_size=128, num_heads=4),
     "s": DiTSize(num_layers=12, hidden_size=384, num_heads=6),
     "b": DiTSize(num_layers=12, hidden_size=768, num_heads=12),
     "l": DiTSize(num_layers=24, hidden_size=1024, num_heads=16),
