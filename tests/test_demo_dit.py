@@ -43,6 +43,6 @@ def test_the_dit_demo_draws_what_it_is_told(demo_dit_run):
 
 
 def test_the_dit_demo_mixed_three_bucket_shapes(demo_dit_run):
-    rows = (demo_dit_run / "buckets.txt").read_text().splitlines()
-    counts = {" ".join(row.split()[:3]): row.split()[-1] for row in rows if " x " in row}
+    rows = [row.split() for row in (demo_dit_run / "buckets.txt").read_text().splitlines()]
+    counts = {" ".join(row[:3]): row[-1] for row in rows if row[1:2] == ["x"]}
     assert counts == {"48 x 80": "512", "64 x 64": "512", "80 x 48": "512"}

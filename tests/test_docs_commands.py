@@ -139,8 +139,9 @@ def test_every_shown_command_names_real_options(shown: Shown):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """A folder with the demo data, a full fine-tune run at runs/demo and a LoRA run at
-    runs/sdxl-lora (one step each, tiny model), as the documented commands expect."""
+    """A folder with the demo data, a full fine-tune run at runs/demo, a LoRA run at
+    runs/sdxl-lora and a DiT run at runs/demo-dit (one step each, tiny models), as the
+    documented commands expect."""
     root = tmp_path_factory.mktemp("docs")
     common = ["--set", "data.path=data/demo", "--set", "data.generate_demo=true",
               "--set", "train.max_steps=1", "--set", "sample.every_steps=0",
@@ -160,6 +161,7 @@ def workdir(tmp_path_factory) -> Path:
             "--set",
             "data.resolution=64",
         ],
+        "demo-dit": [str(ROOT / "configs/demo-dit.yaml")],  # the DiT family's commands
     }
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)

@@ -121,10 +121,13 @@ def schema_leaves(
     elif origin is list:
         yield from schema_leaves(args[0], f"{key}.0", top, lambda v: outer([v]), seen)
     elif origin is tuple and Ellipsis not in args:
+        # The other items hold a valid value: 0.5 for a float (optim.betas), 64 for an int
+        # (data.demo_sizes: sides that are multiples of 8).
+        fillers = [64 if _unwrap(item) is int else 0.5 for item in args]
         for index, item in enumerate(args):
 
-            def in_tuple(value, index=index, size=len(args)):  # noqa: B008 (bound per item)
-                return outer([value if i == index else 0.5 for i in range(size)])
+            def in_tuple(value, index=index):  # noqa: B008 (bound per item)
+                return outer([value if i == index else fill for i, fill in enumerate(fillers)])
 
             yield from schema_leaves(item, f"{key}.{index}", top, in_tuple, seen)
     elif origin is dict:
