@@ -74,10 +74,18 @@ def rope_angles(positions: Tensor, head_dim: int, theta: float = ROPE_THETA) -> 
     return torch.cat(angles, dim=-1)
 
 
-def apply_rope(x: Tensor, angles: Tensor) -> Tensor:
-    """Rotate ``x`` ``[B, S, H, Dh]`` by ``angles`` ``[B or 1, S, Dh/2]`` in the rotate-half
-    (GPT-NeoX) convention: feature i pairs with i + Dh/2; float32 math, ``x``'s dtype out."""
-    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+def rope_rotation(positions: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
+    """(cos, sin) ``[B or 1, S, 1, Dh/2]`` of :func:`rope_angles`, computed once per forward
+    and shared by every block's queries and keys."""
+    angles = rope_angles(positions, head_dim)
+    return angles.cos()[:, :, None], angles.sin()[:, :, None]
+
+
+def apply_rope(x: Tensor, rotation: tuple[Tensor, Tensor]) -> Tensor:
+    """Rotate ``x`` ``[B, S, H, Dh]`` by ``rotation`` (:func:`rope_rotation`) in the
+    rotate-half (GPT-NeoX) convention: feature i pairs with i + Dh/2; float32 math, ``x``'s
+    dtype out."""
+    cos, sin = rotation
     first, second = x.float().chunk(2, dim=-1)
     rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
     return rotated.to(x.dtype)
@@ -99,7 +107,7 @@ def sincos_embedding(positions: Tensor, dim: int) -> Tensor:
 
 class Attention(nn.Module):
     """Multi-head attention with separate q, k, v, out projections and per-head QK norm.
-    ``rope`` angles rotate queries and keys of self-attention; cross-attention has none."""
+    ``rope`` (cos, sin) rotates queries and keys of self-attention; cross-attention has none."""
 
     def __init__(
         self, dim: int, head_dim: int, qk_norm: str, bias: bool, context_dim: int | None = None
@@ -118,7 +126,11 @@ class Attention(nn.Module):
         return x.unflatten(-1, (-1, self.head_dim))  # [B, S, H, Dh]; H local under TP
 
     def forward(
-        self, x: Tensor, attend: Attend, context: Tensor | None = None, rope: Tensor | None = None
+        self,
+        x: Tensor,
+        attend: Attend,
+        context: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         context = x if context is None else context
         query = self.norm_q(self._heads(self.to_q(x)))

@@ -33,7 +33,7 @@ from impasto.models.dit.layers import (
     MLPEmbedder,
     SwiGLU,
     modulate,
-    rope_angles,
+    rope_rotation,
     sincos_embedding,
     timestep_features,
 )
@@ -106,7 +106,8 @@ class Block(nn.Module):
         self.modulation = nn.Linear(dim, MODULATIONS[config.block] * dim)
 
     def forward(
-        self, x: Tensor, modulation_input: Tensor, rope: Tensor | None, text: Tensor | None,
+        self, x: Tensor, modulation_input: Tensor, rope: tuple[Tensor, Tensor] | None,
+        text: Tensor | None,
         attend_self, attend_cross, document: Tensor | None,
     ) -> Tensor:  # fmt: skip
         """``x`` ``[B, S, D]``; ``modulation_input`` ``[N, D]`` (one row per sample: B rows,
@@ -184,11 +185,13 @@ class DiT(nn.Module):
                 nn.init.zeros_(linear.bias)
 
     # -- the shared trunk -----------------------------------------------------------------
-    def _positions(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Add the position embedding (sincos, learned) or return RoPE angles."""
+    def _positions(
+        self, tokens: Tensor, positions: Tensor
+    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """Add the position embedding (sincos, learned) or return RoPE's (cos, sin)."""
         config = self.config
         if config.position == "rope":
-            return tokens, rope_angles(positions, config.head_dim)
+            return tokens, rope_rotation(positions, config.head_dim)
         if config.position == "sincos":
             return tokens + sincos_embedding(positions, config.hidden_size).to(tokens.dtype), None
         rows, cols = positions[..., 1], positions[..., 2]
