@@ -3,6 +3,8 @@ agree, the init is adaLN-Zero, and the sizes match the DiT paper (issue #31)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -226,3 +228,21 @@ def test_an_exported_dit_folder_loads_back_exactly(tiny_raw, tmp_path):
     (folder / "impasto-model.json").write_text('{"family": "sdxl"}')
     with pytest.raises(ValueError, match="holds a sdxl model, not a dit one"):
         build_backbone(build_config(tiny_raw))
+
+
+def test_nothing_outside_the_models_package_names_the_dit_family():
+    """The loop, the methods, data, export, sampling and the CLI speak the backbone protocol
+    only (issue #31): the family's name appears in src/impasto/models/ alone."""
+    import re
+
+    import impasto
+
+    root = Path(impasto.__file__).parent
+    named = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        if "models" not in path.relative_to(root).parts
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"\bdit\b", line, re.IGNORECASE)
+    ]
+    assert named == []

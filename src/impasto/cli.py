@@ -351,7 +351,7 @@ def _add_export(sub: Subcommands) -> None:
         "--format",
         required=True,
         help="a format of the run's model family: diffusers | single-file | lora-kohya | "
-        "lora-diffusers (SDXL), folder (DiT)",
+        "lora-diffusers (SDXL), folder (our diffusion transformer)",
     )
     export.add_argument(
         "--out", required=True, help="output folder (diffusers, folder) or .safetensors file"

@@ -145,7 +145,8 @@ class DataConfig(Section):
         le=MAX_PACK_TOKENS,
         multiple_of=128,
         description="pack images of different buckets into one sequence of this many tokens "
-        "per micro-batch (families that support it: dit; batch_size then does not apply)",
+        "per micro-batch (families that pack: the diffusion transformer; batch_size then does not "
+        "apply)",
     )
     num_workers: Int = Field(0, ge=0, le=MAX_WORKERS)
     max_bad_fraction: Float = Field(

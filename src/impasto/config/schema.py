@@ -73,8 +73,8 @@ class ModelConfig(Section):
     )
     text_encoder: PathStr | None = Field(
         None,
-        description="text encoders from elsewhere, for a family that takes them (dit): a "
-        "diffusers SDXL folder (its two CLIP encoders) or a transformers text encoder folder",
+        description="text encoders from elsewhere, for a family that takes them (the diffusion "
+        "transformer): a diffusers SDXL folder (its two CLIP encoders)",
     )
     init_seed: Seed = Field(0, description="seed of the random init of preset models")
     allow_pickle: bool = Field(

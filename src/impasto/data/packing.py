@@ -1,5 +1,6 @@
 """Packs: images of different bucket shapes as one token sequence of fixed capacity
-(``data.pack_tokens``), for families that attend within each image of a pack (a DiT).
+(``data.pack_tokens``), for families that attend within each image of a pack (the diffusion
+transformer).
 
 Each epoch, the placed images are shuffled (``derive_seed(seed, epoch)``), sorted by token
 count, largest first (stable, so equal sizes keep the shuffled order), and placed first-fit:

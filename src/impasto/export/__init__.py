@@ -15,9 +15,10 @@ SDXL's (:mod:`impasto.export.sdxl`):
 - ``lora-kohya``: the adapters of a LoRA run in kohya's layout (``lora_unet_…``, SGM names),
   one ``.safetensors`` that ComfyUI, A1111 and Forge load.
 
-A family may also write formats of its own (``FamilySpec.exports``, :mod:`impasto.export.family`):
-the DiT's ``folder`` (weights, autoencoder, text encoders and ``impasto-model.json``, which
-``model.path`` and ``impasto sample`` read back; docs/dit.md).
+A family may also write formats of its own (``FamilySpec.exports``,
+:mod:`impasto.export.family`): the diffusion transformer's ``folder`` (weights, autoencoder,
+text encoders and ``impasto-model.json``, which ``model.path`` and ``impasto sample`` read
+back).
 
 A LoRA run exports to the full-model formats only with ``merge=True`` (the adapters baked into
 the base weights). LoRA files carry kohya's ``ss_*`` training metadata

@@ -1,6 +1,6 @@
-"""Export formats a model family writes itself (``FamilySpec.exports``: the DiT's folder):
-the run's model rebuilt from its checkpoint, its adapters merged, cast to the export dtype, and
-handed to the family's writer with the record of how it samples
+"""Export formats a model family writes itself (``FamilySpec.exports``, e.g. the diffusion
+transformer's folder): the run's model rebuilt from its checkpoint, its adapters merged, cast
+to the export dtype, and handed to the family's writer with the record of how it samples
 (:mod:`impasto.models.exported`). Nothing here knows a family."""
 
 from __future__ import annotations
