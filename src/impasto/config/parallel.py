@@ -40,6 +40,16 @@ class ParallelConfig(Section):
         le=MAX_RANKS,
         description="hsdp: ranks per shard group (default: the processes per node)",
     )
+    tp: Int = Field(
+        1,
+        ge=1,
+        le=MAX_RANKS,
+        description="tensor parallelism: ranks that split each transformer block's attention "
+        "and MLP projections (Megatron-LM's column/row split, with the token sequence split "
+        "between them elsewhere); consecutive ranks form a group, so keep it within a node. "
+        "Needs parallel.strategy fsdp or hsdp (sharded over the world / tp data-parallel "
+        "ranks) and a family that has a plan (the diffusion transformer: docs/distributed.md)",
+    )
     timeout_s: Int = Field(
         1800,
         ge=10,

@@ -401,6 +401,17 @@ class Config(Section):
 
     def _parallel_options_fit(self) -> None:
         strategy, memory = self.parallel.strategy, self.memory
+        if self.parallel.tp > 1 and strategy not in ("fsdp", "hsdp"):
+            raise ValueError(
+                f"parallel.tp {self.parallel.tp} splits the blocks inside a data-parallel run "
+                f"sharded by fsdp or hsdp, not {strategy}; set parallel.strategy: fsdp"
+            )
+        pack = self.data.pack_tokens
+        if pack is not None and pack % self.parallel.tp:
+            raise ValueError(
+                f"data.pack_tokens {pack} does not split into parallel.tp {self.parallel.tp} "
+                "equal parts of the sequence; make it a multiple of parallel.tp"
+            )
         if strategy == "none":
             if self.checkpoint.async_save:
                 raise ValueError(

@@ -351,15 +351,16 @@ def prepare_run_data(
     (:func:`held_out_sets`).
     """
     group = group or RunGroup()
-    rank, world = group.rank, group.world
+    rank, world = group.rank, group.world  # who hashes and caches what: every rank a share
+    share, shares = group.data_rank, group.data_world  # who trains on what (tp groups: one)
     main = group.is_main
     scan = scan_sources(config, main)
     bad_data = BadDataLog(None if run_dir is None else run_dir / BAD_DATA_FILE)
     records = scan.records
     if not images:
         left_out = report_left_out(config, bad_data, scan.skipped, records, main)
-        total = count_total_steps(config, len(records), world=world)
-        stream = PromptStream(config, records, rank, world)
+        total = count_total_steps(config, len(records), world=shares)
+        stream = PromptStream(config, records, share, shares)
         return RunData(records, stream, total, bad_data, left_out, groups=scan.groups)
     cached = config.cache.on_disk and not pixels_only
     image_ids, encodings = None, None
@@ -371,7 +372,7 @@ def prepare_run_data(
     skipped = scan.skipped + unreadable
     left_out = report_left_out(config, bad_data, skipped, usable + scan.held_out, main)
     tokens_of = pack_sizes(config, backbone, len(records), bucket_of, main)
-    total = count_total_steps(config, len(records), bucket_of, world, tokens_of)
+    total = count_total_steps(config, len(records), bucket_of, shares, tokens_of)
     if cached:
         encodings, report = fill_cache(
             config, backbone, records, image_ids, bucket_of, autocast, precision, rank, world
@@ -385,7 +386,7 @@ def prepare_run_data(
     if pixels_only and config.cache.text_embeddings == "disk":
         variants = config.cache.caption_variants  # the captions the text cache holds
     stream = DataStream(
-        config, records, bucket_of, weights, encodings, rank, world, known_bad, variants,
+        config, records, bucket_of, weights, encodings, share, shares, known_bad, variants,
         tokens_of,
     )  # fmt: skip
     sets = [] if pixels_only else held_out_sets(config, scan.held_out, main)

@@ -64,17 +64,54 @@ def gather_to_all(value: Any) -> list[Any]:
 @dataclass(frozen=True)
 class RunGroup:
     """Where this process stands in a run: its rank among ``world``, its device and (for
-    ``fsdp`` / ``hsdp``) the device mesh. Rank 0 alone prints, logs and writes files."""
+    ``fsdp`` / ``hsdp``) the device mesh. Rank 0 alone prints, logs and writes files.
+
+    With tensor parallelism (``tp`` > 1) the mesh's last dimension, ``tp``, holds groups of
+    ``tp`` consecutive ranks that share one share of the data: the *data* rank and world
+    (``data_rank``, ``data_world``) count those groups."""
 
     rank: int = 0
     world: int = 1
     device: torch.device = torch.device("cpu")
     strategy: str = "none"
     mesh: DeviceMesh | None = None
+    tp: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of every step's batch this rank trains on."""
+        return self.rank // self.tp
+
+    @property
+    def data_world(self) -> int:
+        """How many shares every step's batch splits into."""
+        return self.world // self.tp
+
+    @property
+    def data_mesh(self) -> DeviceMesh | None:
+        """The mesh of the data-parallel dimensions (what FSDP shards over)."""
+        if self.mesh is None or self.tp == 1:
+            return self.mesh
+        names = [name for name in self.mesh.mesh_dim_names if name != "tp"]
+        return self.mesh[tuple(names)] if len(names) > 1 else self.mesh[names[0]]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The tensor-parallel dimension of the mesh (None without tensor parallelism)."""
+        return self.mesh["tp"] if self.mesh is not None and self.tp > 1 else None
+
+    def data_sum(self, *counts: int) -> list[int]:
+        """Counts of the data each rank read, summed over the data shares (the ranks of a
+        tensor-parallel group read the same data: counted once)."""
+        return [count // self.tp for count in self.sum(*counts)]
+
+    def data_gather(self, value: Any) -> list[Any]:
+        """Every data share's ``value`` (picklable), in order, on every rank."""
+        return self.gather(value)[:: self.tp]
 
     @property
     def parallel(self) -> bool:
@@ -139,7 +176,7 @@ def run_device(device_option: str, local_rank: int) -> torch.device:
 
 @contextmanager
 def run_group(strategy: str, device_option: str, timeout_s: int = 1800,
-              shard_size: int | None = None) -> Iterator[RunGroup]:  # fmt: skip
+              shard_size: int | None = None, tp: int = 1) -> Iterator[RunGroup]:  # fmt: skip
     """Join the run's process group for the block and yield this process's :class:`RunGroup`.
 
     ``strategy`` none runs in one process (a one-line error under torchrun with several); the
@@ -171,13 +208,13 @@ def run_group(strategy: str, device_option: str, timeout_s: int = 1800,
             )
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        mesh = device_mesh(strategy, device, world, shard_size)
+        mesh = device_mesh(strategy, device, world, shard_size, tp)
         with contextlib.ExitStack() as stack:
             if rank:
                 stack.enter_context(contextlib.redirect_stdout(stack.enter_context(
                     open(os.devnull, "w", encoding="utf-8")
                 )))  # fmt: skip
-            yield RunGroup(rank, world, device, strategy, mesh)
+            yield RunGroup(rank, world, device, strategy, mesh, tp)
     finally:
         if owned:
             dist.destroy_process_group()
@@ -208,20 +245,31 @@ def _device_id(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
-def device_mesh(strategy: str, device: torch.device, world: int,
-                shard_size: int | None) -> DeviceMesh | None:  # fmt: skip
+def device_mesh(strategy: str, device: torch.device, world: int, shard_size: int | None,
+                tp: int = 1) -> DeviceMesh | None:  # fmt: skip
     """``fsdp``: all ranks in one shard group; ``hsdp``: (replicas, shard_size), shard groups of
-    consecutive ranks (one node each by default). ``ddp`` needs no mesh."""
+    consecutive ranks (one node each by default). ``ddp`` needs no mesh. ``tp`` > 1 adds a last
+    dimension ``tp`` of consecutive ranks (within a node: its collectives run every layer)."""
+    if world % tp:
+        raise ValueError(
+            f"parallel.tp: {tp} does not divide the {world} ranks; set it to a divisor of the "
+            "world size (the GPUs of a node, usually)"
+        )
+    inner = ((tp,), ("tp",)) if tp > 1 else ((), ())
     if strategy == "fsdp":
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+        return init_device_mesh(
+            device.type, (world // tp, *inner[0]), mesh_dim_names=("shard", *inner[1])
+        )
     if strategy != "hsdp":
         return None
     size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world % size:
+    if world % size or size % tp:
         raise ValueError(
-            f"parallel.shard_size: {size} does not divide the {world} ranks; set it to the "
-            "processes per node (or a divisor of the world size)"
+            f"parallel.shard_size: {size} does not divide the {world} ranks or is not a "
+            f"multiple of parallel.tp {tp}; set it to the processes per node (or a divisor "
+            "of the world size)"
         )
     return init_device_mesh(
-        device.type, (world // size, size), mesh_dim_names=("replicate", "shard")
-    )
+        device.type, (world // size, size // tp, *inner[0]),
+        mesh_dim_names=("replicate", "shard", *inner[1]),
+    )  # fmt: skip

@@ -134,6 +134,10 @@ class Backbone(Protocol):
         """Tokens (or latent positions) an H×W image takes in the denoiser's sequence: what a
         pack of ``data.pack_tokens`` holds."""
 
+    def tensor_parallel_plan(self) -> TensorParallelPlan | None:
+        """How the denoiser's blocks split over a tensor-parallel group (``parallel.tp``), or
+        None where the family has no plan."""
+
     def cache_identity(self, kind: str) -> tuple[object, ...]:
         """What cached encodings of ``kind`` (``latents`` or ``text``) depend on: networks
         (hashed by weights), tokenizers (by vocabulary) and plain values (by ``repr``)."""
@@ -146,18 +150,51 @@ BackboneBuilder = Callable[[Any], Backbone]  # (Config) -> Backbone
 
 
 @dataclass(frozen=True)
+class TensorParallelPlan:
+    """Megatron-LM's tensor and sequence parallelism of a denoiser's blocks, as names only
+    (applied by :mod:`impasto.train.tensor_parallel`, which holds the ``torch.distributed``
+    side). Between the blocks' layers the token sequence is split across the group; each
+    ``gathers`` module's first input (the sequence) is gathered whole, its ``colwise``
+    projections keep a slice of the heads / hidden features, and its ``rowwise`` projection
+    sums the slices and hands each rank its part of the sequence again.
+
+    Names are relative to each block (a name a block lacks is skipped): ``head_norms`` are
+    norms over the features of each head (QK norm, on the heads' slice), ``sequence_norms``
+    norms with weights that run on the sequence's part; ``conditioned`` modules make
+    per-sample vectors (adaLN modulation) that each rank applies to its part, so their
+    gradients are summed over the group. ``token_index`` names the block's keyword argument
+    that indexes per-token rows (a pack's document ids), split with the sequence. The
+    sequence enters split at the first block and is gathered whole before ``output`` (a
+    module of the denoiser). ``token_multiple`` is the denoiser's attribute that tells it
+    sequences must be a multiple of the group size (it packs the ones that are not)."""
+
+    blocks: tuple[nn.Module, ...]
+    gathers: tuple[str, ...]
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    head_norms: tuple[str, ...] = ()
+    sequence_norms: tuple[str, ...] = ()
+    conditioned: tuple[str, ...] = ()
+    token_index: str | None = None
+    output: str = ""
+    token_multiple: str = ""
+    divisible: Mapping[str, int] = field(default_factory=dict)  # what the group size must divide
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """What the config of a family may name, known without building a model: its parts (in
     the backbone's order), its presets, and the pydantic section of its options
     (``model.<family>``; None: it takes none), whether it reads ``model.text_encoder``, and
     the export formats it writes itself (``impasto export --format``: a writer of the rebuilt
-    backbone, :mod:`impasto.export.family`)."""
+    backbone, :mod:`impasto.export.family`), and whether it splits for ``parallel.tp``."""
 
     parts: tuple[str, ...]
     presets: tuple[str, ...]
     options: type[BaseModel] | None = None
     reads_text_encoder: bool = False  # model.text_encoder: text encoders from another folder
     exports: Mapping[str, FolderWriter] = field(default_factory=dict)  # format → its writer
+    tensor_parallel: bool = False  # parallel.tp: its backbone has a TensorParallelPlan
 
     def read_options(self, raw: dict[str, Any], family: str) -> BaseModel | None:
         """The validated ``model.<family>`` section (ValueError naming the key if it is bad)."""

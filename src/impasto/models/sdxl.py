@@ -197,6 +197,10 @@ class SDXLBackbone:
         _, rows, cols = self.latent_shape(height, width)
         return rows * cols
 
+    def tensor_parallel_plan(self) -> None:
+        """None: the UNet is mostly convolutions, which Megatron's split does not cover."""
+        return None
+
     def cache_identity(self, kind: str) -> tuple[object, ...]:
         parts = self.components
         if kind == "latents":

@@ -200,6 +200,11 @@ def model_problems(config: Config) -> list[str]:
             f"model.text_encoder: the {model.family} family reads its text encoders from "
             "model.path; remove model.text_encoder"
         )
+    if config.parallel.tp > 1 and not spec.tensor_parallel:
+        problems.append(
+            f"parallel.tp {config.parallel.tp}: the {model.family} family has no "
+            "tensor-parallel plan; set parallel.tp: 1 (fsdp shards its weights without it)"
+        )
     for key in config.parts.model_extra or {}:
         name = key.removesuffix("_lr")
         if name not in spec.parts:

@@ -240,14 +240,21 @@ class EMA:
 
 
 def _lerp_foreach(shadows: list[Tensor], params: list[Tensor], weight: float) -> None:
-    """shadow += weight·(param − shadow), batched; every tensor on one device."""
+    """shadow += weight·(param − shadow), batched; every tensor on one device. A chunk ends
+    where the parameters' mesh changes too (one ``foreach`` kernel takes one mesh)."""
     start, numel = 0, 0
     for i, param in enumerate(params):
         numel += param.numel()
-        if numel >= _MAX_CHUNK_NUMEL or i == len(params) - 1:
+        last = i == len(params) - 1
+        mesh_changes = not last and _mesh(params[i + 1]) != _mesh(param)
+        if numel >= _MAX_CHUNK_NUMEL or last or mesh_changes:
             chunk = [p.to(torch.float32) for p in params[start : i + 1]]
             torch._foreach_lerp_(shadows[start : i + 1], chunk, weight)
             start, numel = i + 1, 0
+
+
+def _mesh(tensor: Tensor) -> object:
+    return getattr(tensor, "device_mesh", None)
 
 
 def _lerp_per_tensor(shadows: list[Tensor], params: list[Tensor], weight: float) -> None:

@@ -85,7 +85,7 @@ class Evaluator:
             for index, held_out in enumerate(sets)
             for number in range(len(held_out.batches))
         ]
-        self.jobs = share(jobs, group.rank, group.world) if jobs else []
+        self.jobs = share(jobs, group.data_rank, group.data_world) if jobs else []
         self.encoded: dict[EvalJob, Batch] = {}  # this rank's batches, latents encoded once
 
     def evaluate(self, ema: EMA | None = None) -> dict[str, float]:
@@ -112,7 +112,7 @@ class Evaluator:
                 if counted:
                     sums[job.set_index] += losses.double().sum(dim=1).cpu()
                     counts[job.set_index] += batch.size
-        gathered = self.group.gather((sums, counts))  # (the host read: not a training step)
+        gathered = self.group.data_gather((sums, counts))  # (a host read: not a training step)
         total_sums = sum(part[0] for part in gathered)
         total_counts = [sum(part[1][i] for part in gathered) for i in range(len(self.sets))]
         values = {}

@@ -77,7 +77,7 @@ def wrap(
         param_dtype = None  # the weights' own dtype: no cast
     reduce_dtype = DTYPES[parallel.reduce_dtype]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    options = {"mesh": group.mesh, "mp_policy": policy}
+    options = {"mesh": group.data_mesh, "mp_policy": policy}
     denoiser = backbone.denoiser()
     for module in roots:
         if module is denoiser:
@@ -111,3 +111,34 @@ def set_gradient_sync(roots: Iterable[nn.Module], sync: bool) -> None:
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) scalar as a plain tensor (its reduction over the ranks)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by the device mesh they are sharded over (plain tensors: one group).
+    With tensor parallelism some weights span the data and ``tp`` dimensions and others the
+    data dimensions only, and one ``foreach`` kernel takes one mesh."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(getattr(tensor, "device_mesh", None), []).append(tensor)
+    return list(groups.values())
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all ``grads`` over every rank's shards, as a plain 0-dim tensor."""
+    groups = by_mesh(grads)
+    if len(groups) <= 1:
+        return full_value(torch.nn.utils.get_total_norm(grads))
+    norms = [full_value(torch.nn.utils.get_total_norm(group)) for group in groups]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_with_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """``clip_grads_with_norm_`` for weights sharded over several meshes."""
+    for group in by_mesh(params):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+
+
+def scale_grads(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient by the 0-dim ``factor`` in place (mesh by mesh)."""
+    for group in by_mesh(grads):
+        torch._foreach_mul_(group, factor.to(group[0].dtype))

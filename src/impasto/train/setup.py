@@ -33,7 +33,13 @@ from impasto.train.memory import (
 from impasto.train.methods import WHOLE_STEP, Method, MethodContext, Rows, build_method
 from impasto.train.offload import BlockOffload
 from impasto.train.optim import OPTIMIZERS
-from impasto.train.parallel import apply_strategy, full_value, set_gradient_sync
+from impasto.train.parallel import (
+    apply_strategy,
+    clip_with_norm,
+    scale_grads,
+    set_gradient_sync,
+    total_norm,
+)
 
 
 @dataclass
@@ -88,11 +94,11 @@ def clip_and_step(
     """``clip_grad_norm_`` then ``step`` and ``zero_grad``, unless the gradient norm is not
     finite: then the weights do not see the gradients (see :meth:`StepSetup.update`)."""
     grads = [param.grad for param in params if param.grad is not None]
-    norm = full_value(torch.nn.utils.get_total_norm(grads))  # sharded grads: over all ranks
+    norm = total_norm(grads)  # sharded grads: over all ranks
     finite = torch.isfinite(norm)
     if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: skips in the kernel
         if max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+            clip_with_norm(params, max_grad_norm, norm)
         optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
         try:
             optimizer.step()
@@ -118,12 +124,11 @@ def zero_unless_finite(
     for grad in grads:
         grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     if max_grad_norm is None:
-        if grads:
-            torch._foreach_mul_(grads, finite.to(grads[0].dtype))
+        scale_grads(grads, finite)
         return
     # An infinite norm makes the clipping coefficient max_norm / (inf + eps) = 0 exactly.
     norm = torch.where(finite, norm, torch.inf)
-    torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+    clip_with_norm(params, max_grad_norm, norm)
 
 
 def build_step_setup(
@@ -152,8 +157,14 @@ def build_step_setup(
     # The method is built before the memory options and the strategy wrap the networks: a
     # method that keeps a frozen copy of the starting model (draftp) copies plain modules.
     method = build_method(
-        MethodContext(config, backbone, tuple(trainable), autocast, group.rank, group.world)
+        MethodContext(
+            config, backbone, tuple(trainable), autocast, group.data_rank, group.data_world
+        )
     )
+    if group.tp > 1:  # torchtitan's order: tensor parallelism, checkpointing, compile, fsdp
+        from impasto.train.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(backbone, group.tp_mesh)
     apply_memory_options(backbone, config.memory)
     roots = apply_strategy(backbone, trainable, config.parallel, group, precision)
     offload = None

@@ -96,7 +96,11 @@ def train(
     with (
         StopRequest(),
         run_group(  # a signal while the group starts stops at once
-            parallel.strategy, config.train.device, parallel.timeout_s, parallel.shard_size
+            parallel.strategy,
+            config.train.device,
+            parallel.timeout_s,
+            parallel.shard_size,
+            parallel.tp,
         ) as group,
         disk_full_is_one_line(run_dir, run_dir / CHECKPOINTS),
     ):
@@ -163,7 +167,7 @@ class Trainer:
             "the data", (len(self.data.records), self.data.total_steps),
             "every node must read the same dataset (a shared filesystem or identical copies)",
         )  # fmt: skip
-        self.facts = dataset_facts(config, self.data, group.world)  # for dataset.json
+        self.facts = dataset_facts(config, self.data, group.data_world)  # for dataset.json
         self.evaluator = build_evaluator(
             setup.method, setup.backbone, self.data.eval_sets, config, group
         )
@@ -248,7 +252,7 @@ class Trainer:
         if main:
             summary = summary_lines(
                 self.config, self.data, self.setup.trainable, group.device, self.precision,
-                group.world, state.step,
+                group.data_world, state.step,
             )  # fmt: skip
             print("\n".join(summary))
         with self.metrics_logger() as metrics:  # closed (quietly, after an error) at the end
@@ -375,16 +379,16 @@ class Trainer:
         counters, and (rank 0) the unusable ones and the re-encoded text embeddings to the
         bad-data report: collective, on logging and saving steps and at the end."""
         unsynced, self.unsynced = self.unsynced, UnsyncedCounts()
-        attempted, bad, reencoded, samples = self.group.sum(
+        attempted, bad, reencoded, samples = self.group.data_sum(
             unsynced.attempted, unsynced.bad, len(unsynced.reencoded), unsynced.samples
         )
         self.state.samples_seen += samples
         self.state.images_attempted += attempted
         skipped, notes = unsynced.skipped, unsynced.reencoded
         if bad and self.group.world > 1:  # (bad is the sum: every rank gathers, or none)
-            skipped = [item for part in self.group.gather(skipped) for item in part]
+            skipped = [item for part in self.group.data_gather(skipped) for item in part]
         if reencoded and self.group.world > 1:
-            notes = [item for part in self.group.gather(notes) for item in part]
+            notes = [item for part in self.group.data_gather(notes) for item in part]
         # Each bad item counts once, whichever rank met it and however often: the counted
         # names are part of the checkpointed counters, so a resumed run counts alike. A
         # re-encoded text embedding is reported, not counted: its image was trained on.
@@ -420,7 +424,7 @@ class Trainer:
         flat = [loss.reshape(1), *(metrics[name].reshape(1) for name in names)]
         flat += [meter.subsets[name].to(loss) for name in subsets]
         means = self.group.mean(torch.cat(flat)).tolist()
-        (num_samples,) = self.group.sum(num_samples)  # this step's, over the ranks
+        (num_samples,) = self.group.data_sum(num_samples)  # this step's, over the ranks
         step_time = time.perf_counter() - step_start
         meter.step_s += step_time
         values = {"loss": means[0], "lr": lr} | group_lrs(self.setup.optimizer)
@@ -468,8 +472,8 @@ class Trainer:
                         f"{self.data.bad_data.path}); remove or fix the broken files"
                     )
                 continue
-            slot = micro * group.world + group.rank
-            rows = Rows(slot, accum * group.world, config.data.batch_size)
+            slot = micro * group.data_world + group.data_rank
+            rows = Rows(slot, accum * group.data_world, config.data.batch_size)
             torch.manual_seed(derive_seed(config.train.seed, state.step, slot, 1))
             generator = torch.Generator().manual_seed(step_seed)
             key = batch_shapes(batch)
@@ -488,8 +492,9 @@ class Trainer:
         """After a full epoch's worth of images (this rank's share), stop if too many were
         unusable."""
         state, limit = self.state, self.config.data.max_bad_fraction
-        bad = state.images_bad + self.unsynced.bad * self.group.world  # an estimate between syncs
-        attempted = state.images_attempted + self.unsynced.attempted * self.group.world
+        shares = self.group.data_world
+        bad = state.images_bad + self.unsynced.bad * shares  # an estimate between syncs
+        attempted = state.images_attempted + self.unsynced.attempted * shares
         fraction = bad / max(1, attempted)
         if attempted >= len(self.data.records) + len(self.data.scan_skipped) and fraction > limit:
             raise ValueError(

@@ -18,7 +18,7 @@ from diffusers import AutoencoderKL
 from torch import Tensor, nn
 
 from impasto.models import autoencoder
-from impasto.models.backbone import Batch, adapter_layers
+from impasto.models.backbone import Batch, TensorParallelPlan, adapter_layers
 from impasto.models.components import (
     TEXT_TARGETS,
     PromptEmbeds,
@@ -184,7 +184,7 @@ class DiTBackbone:
         condition = conditions[0]
         for other in conditions[1:]:
             condition = condition.cat(other)
-        return self.components.transformer.forward_packed(
+        return self.components.transformer(
             x_ts, torch.cat(timesteps), condition.prompt_embeds, condition.pooled_prompt_embeds,
             capacity=capacity, kernel=self.attention,
         )  # fmt: skip
@@ -194,6 +194,30 @@ class DiTBackbone:
         _, rows, cols = self.latent_shape(height, width)
         patch = self.components.transformer.config.patch_size
         return (rows // patch) * (cols // patch)
+
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        """Megatron's split of every block (docs/dit.md, parallelism): q, k, v, the MLP's
+        first layer(s) by columns (heads / hidden features), the outputs by rows; the
+        modulation vectors are whole on every rank."""
+        transformer = self.components.transformer
+        config = transformer.config
+        return TensorParallelPlan(
+            blocks=tuple(transformer.blocks),
+            gathers=("attn", "cross", "mlp"),
+            colwise=(*(f"{attn}.{name}" for attn in ("attn", "cross")
+                       for name in ("to_q", "to_k", "to_v")), "mlp.fc1", "mlp.gate", "mlp.up"),
+            rowwise=("attn.to_out", "cross.to_out", "mlp.fc2", "mlp.down"),
+            head_norms=("attn.norm_q", "attn.norm_k", "cross.norm_q", "cross.norm_k"),
+            sequence_norms=("norm1", "norm_cross", "norm2"),
+            conditioned=("modulation",),
+            token_index="document",
+            output="final",
+            token_multiple="token_multiple",
+            divisible={
+                "attention heads": config.hidden_size // config.head_dim,
+                "MLP features": transformer.blocks[0].mlp_width,
+            },
+        )  # fmt: skip
 
     def cache_identity(self, kind: str) -> tuple[object, ...]:
         parts = self.components

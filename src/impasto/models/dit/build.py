@@ -39,6 +39,7 @@ SPEC = FamilySpec(
     options=DiTOptions,
     reads_text_encoder=True,
     exports={"folder": save_dit_folder},
+    tensor_parallel=True,
 )
 
 

@@ -9,6 +9,7 @@ so attention can stay inside each sample (:mod:`impasto.models.dit.attention`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +39,17 @@ def grid_positions(rows: int, cols: int, frame: int = 0) -> Tensor:
     return torch.stack([torch.full_like(row, frame), row, col], dim=-1).reshape(-1, 3)
 
 
-def pack_capacity(num_tokens: int, capacity: int | None) -> int:
-    """The pack length for ``num_tokens`` tokens: ``capacity`` (ValueError if they do not fit),
-    or the next multiple of :data:`PACK_MULTIPLE`."""
+def pack_capacity(num_tokens: int, capacity: int | None, multiple: int = 1) -> int:
+    """The pack length for ``num_tokens`` tokens: ``capacity`` (ValueError if they do not fit
+    or it is not a multiple of ``multiple``), or the next multiple of both
+    :data:`PACK_MULTIPLE` and ``multiple``."""
     if capacity is None:
-        return -(-num_tokens // PACK_MULTIPLE) * PACK_MULTIPLE
+        step = math.lcm(PACK_MULTIPLE, multiple)
+        return -(-num_tokens // step) * step
     if num_tokens > capacity:
         raise ValueError(f"a pack of {num_tokens} tokens exceeds its capacity of {capacity}")
+    if capacity % multiple:
+        raise ValueError(f"a pack of {capacity} tokens does not split into {multiple} parts")
     return capacity
 
 
@@ -76,11 +81,14 @@ class Pack:
         return [rows * cols for rows, cols in self.grids]
 
 
-def plan_pack(grids: list[tuple[int, int]], capacity: int | None, device: torch.device) -> Pack:
-    """The :class:`Pack` of samples with patch grids ``grids`` (rows, cols), in that order."""
+def plan_pack(
+    grids: list[tuple[int, int]], capacity: int | None, device: torch.device, multiple: int = 1
+) -> Pack:
+    """The :class:`Pack` of samples with patch grids ``grids`` (rows, cols), in that order
+    (its length a multiple of ``multiple``: :func:`pack_capacity`)."""
     lengths = [rows * cols for rows, cols in grids]
     total = sum(lengths)
-    size = pack_capacity(total, capacity)
+    size = pack_capacity(total, capacity, multiple)
     document = torch.repeat_interleave(torch.arange(len(grids)), torch.tensor(lengths))
     document = torch.cat([document, torch.full((size - total,), len(grids))])
     positions = [grid_positions(rows, cols) for rows, cols in grids]

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from impasto.models.dit.attention import PackAttention, dense, pick_kernel
 from impasto.models.dit.layers import (
@@ -35,6 +36,7 @@ from impasto.models.dit.layers import (
     modulate,
     rope_rotation,
     sincos_embedding,
+    swiglu_width,
     timestep_features,
 )
 from impasto.models.dit.layout import grid_positions, patchify, plan_pack, unpatchify
@@ -96,6 +98,7 @@ class Block(nn.Module):
         super().__init__()
         dim, head_dim, bias = config.hidden_size, config.head_dim, config.block != "llama"
         self.variant = config.block
+        self.gradient_checkpointing = False  # recompute in backward (memory.gradient_checkpointing)
         self.norm1 = _norm(config)
         self.attn = Attention(dim, head_dim, config.qk_norm, bias)
         if config.has_text_tokens:
@@ -103,12 +106,13 @@ class Block(nn.Module):
             self.cross = Attention(dim, head_dim, config.qk_norm, bias)
         self.norm2 = _norm(config)
         self.mlp = SwiGLU(dim) if config.block == "llama" else GeluMLP(dim)
+        self.mlp_width = swiglu_width(dim) if config.block == "llama" else 4 * dim
         self.modulation = nn.Linear(dim, MODULATIONS[config.block] * dim)
 
     def forward(
         self, x: Tensor, modulation_input: Tensor, rope: tuple[Tensor, Tensor] | None,
         text: Tensor | None,
-        attend_self, attend_cross, document: Tensor | None,
+        attend_self, attend_cross, document: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
         """``x`` ``[B, S, D]``; ``modulation_input`` ``[N, D]`` (one row per sample: B rows,
         or a pack's N samples gathered per token through ``document`` ``[S]``)."""
@@ -119,10 +123,12 @@ class Block(nn.Module):
         x = x + gate1 * self.attn(modulate(self.norm1(x), shift1, scale1), attend_self, rope=rope)
         if self.variant == "cross":
             shift_c, scale_c, gate_c = chunks[6:]
-            crossed = self.cross(modulate(self.norm_cross(x), shift_c, scale_c), attend_cross, text)
+            crossed = self.cross(
+                modulate(self.norm_cross(x), shift_c, scale_c), attend_cross, context=text
+            )
             x = x + gate_c * crossed
         elif self.variant == "llama":
-            x = x + self.cross(self.norm_cross(x), attend_cross, text)
+            x = x + self.cross(self.norm_cross(x), attend_cross, context=text)
         return x + gate2 * self.mlp(modulate(self.norm2(x), shift2, scale2))
 
 
@@ -159,6 +165,9 @@ class DiT(nn.Module):
             self.pos_embed = nn.Parameter(torch.zeros(config.max_grid, config.max_grid, dim))
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.final = FinalLayer(config)
+        # Sequences are a multiple of this many tokens (tensor parallelism splits them over
+        # its group): a batch whose images are not runs as a pack of that length.
+        self.token_multiple = 1
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -183,6 +192,12 @@ class DiT(nn.Module):
             nn.init.zeros_(linear.weight)
             if linear.bias is not None:
                 nn.init.zeros_(linear.bias)
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute every block's activations in backward instead of keeping them (diffusers'
+        switch, which :mod:`impasto.train.memory` turns on and then off per block)."""
+        for block in self.blocks:
+            block.gradient_checkpointing = True
 
     # -- the shared trunk -----------------------------------------------------------------
     def _positions(
@@ -216,18 +231,31 @@ class DiT(nn.Module):
         if self.config.has_text_tokens and text is not None:
             context = self.text_embed(text.to(dtype))
         for block in self.blocks:
-            x = block(x, condition, rope, context, attend_self, attend_cross, document)
+            inputs = (x, condition, rope, context, attend_self, attend_cross)
+            if block.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, *inputs, document=document, use_reentrant=False)
+            else:
+                x = block(*inputs, document=document)
         return self.final(x, condition, document)
 
     # -- entry points ---------------------------------------------------------------------
-    def forward(self, x: Tensor, timesteps: Tensor, text: Tensor | None, pooled: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor | list[Tensor], timesteps: Tensor, text: Tensor | None, pooled: Tensor,
+        capacity: int | None = None, kernel: str = "auto",
+    ) -> Tensor | list[Tensor]:  # fmt: skip
         """``x`` ``[B, C, h, w]`` latents, ``timesteps`` ``[B]`` (or one for all), ``text``
         ``[B, L, text_dim]`` tokens, ``pooled`` ``[B, pooled_dim]`` → the prediction
-        ``[B, C, h, w]``."""
+        ``[B, C, h, w]``. A list of groups of latents is a pack (:meth:`forward_packed`,
+        whose arguments ``capacity`` and ``kernel`` are): called through ``forward``, so that
+        what wraps the module (FSDP, DDP, hooks) sees both kinds of call."""
+        if isinstance(x, list):
+            return self.forward_packed(x, timesteps, text, pooled, capacity, kernel)
         patch = self.config.patch_size
         rows, cols = x.shape[-2] // patch, x.shape[-1] // patch
-        positions = grid_positions(rows, cols).to(x.device)[None]
         timesteps = timesteps.reshape(-1).expand(x.shape[0])  # one time for all, as a UNet takes
+        if (rows * cols) % self.token_multiple:
+            return self.forward_packed([x], timesteps, text, pooled)[0]
+        positions = grid_positions(rows, cols).to(x.device)[None]
         out = self._trunk(
             patchify(x, patch), positions, timesteps, text, pooled, dense, dense, None
         )
@@ -237,7 +265,8 @@ class DiT(nn.Module):
         self, groups: list[Tensor], timesteps: Tensor, text: Tensor | None, pooled: Tensor,
         capacity: int | None = None, kernel: str = "auto",
     ) -> list[Tensor]:  # fmt: skip
-        """Samples of different shapes in one sequence: ``groups`` of same-shaped latents
+        """Samples of different shapes in one sequence (call it as ``self(groups, ...)``, see
+        :meth:`forward`): ``groups`` of same-shaped latents
         ``[n_g, C, h_g, w_g]``; ``timesteps`` ``[N]``, ``text`` ``[N, L, text_dim]`` and
         ``pooled`` ``[N, pooled_dim]`` for the N samples in group order. The pack holds
         ``capacity`` tokens (default: the next multiple of 128). Returns the predictions of
@@ -246,7 +275,7 @@ class DiT(nn.Module):
         grids = [
             (g.shape[-2] // patch, g.shape[-1] // patch) for g in groups for _ in range(g.shape[0])
         ]
-        pack = plan_pack(grids, capacity, device)
+        pack = plan_pack(grids, capacity, device, self.token_multiple)
         tokens = torch.cat([patchify(g, patch).flatten(0, 1) for g in groups])
         padding = tokens.new_zeros(pack.capacity - pack.num_tokens, tokens.shape[-1])
         tokens = torch.cat([tokens, padding])[None]
