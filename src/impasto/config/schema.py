@@ -74,7 +74,9 @@ class ModelConfig(Section):
     text_encoder: PathStr | None = Field(
         None,
         description="text encoders from elsewhere, for a family that takes them (the diffusion "
-        "transformer): a diffusers SDXL folder (its two CLIP encoders)",
+        "transformer): a diffusers SDXL folder (its two CLIP encoders), or a folder holding one "
+        "transformers text encoder and its tokenizer (T5, CLIP ...; or text_encoder/ and "
+        "tokenizer/ inside)",
     )
     init_seed: Seed = Field(0, description="seed of the random init of preset models")
     allow_pickle: bool = Field(

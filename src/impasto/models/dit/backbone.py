@@ -2,10 +2,12 @@
 the DiT, its text encoders and its autoencoder are called.
 
 Text conditioning is SDXL's (both CLIP encoders' penultimate hidden states concatenated for the
-tokens, encoder 2's projected pooled output for the modulation; :func:`encode_prompts`), so the
-text cache, caption dropout and the samplers' empty prompt work unchanged. Latents come from
-any diffusers ``AutoencoderKL`` (:mod:`impasto.models.autoencoder`): the demo VAE (default),
-SDXL's, or a 16-channel one (SD3 / FLUX: ``shift_factor``).
+tokens, encoder 2's projected pooled output for the modulation; :func:`encode_prompts`), or one
+transformers encoder's (:mod:`impasto.models.dit.text`: its last hidden state, zero at the
+padding, and its pooled output). Either way the text cache, caption dropout and the samplers'
+empty prompt work unchanged. Latents come from any diffusers ``AutoencoderKL``
+(:mod:`impasto.models.autoencoder`): the demo VAE (default), SDXL's, or a 16-channel one (SD3 /
+FLUX: ``shift_factor``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from impasto.models.components import (
     unused_text_layers,
 )
 from impasto.models.dit.network import DiT
+from impasto.models.dit.text import SINGLE_TEXT_TARGETS, encode_single, tokenizer_identity
 
 PART_NAMES = ("transformer", "text_encoder", "text_encoder_2")
+"""Every part a DiT may have; one with a single text encoder has no ``text_encoder_2``."""
 
 # lora.targets preset → module-name suffixes of the DiT (docs/dit.md, key layout).
 TRANSFORMER_TARGETS: dict[str, tuple[str, ...]] = {
@@ -42,17 +46,27 @@ TRANSFORMER_TARGETS: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class DiTComponents:
-    """The DiT, its autoencoder, and SDXL's two CLIP text encoders with their tokenizers."""
+    """The DiT, its autoencoder, and its text encoders with their tokenizers: SDXL's two
+    CLIPs, or one encoder (``text_encoder_2`` and ``tokenizer_2`` None)."""
 
     transformer: DiT
     vae: AutoencoderKL
     text_encoder: nn.Module
-    text_encoder_2: nn.Module
+    text_encoder_2: nn.Module | None
     tokenizer: Any
-    tokenizer_2: Any
+    tokenizer_2: Any | None
+
+    @property
+    def single_text_encoder(self) -> bool:
+        return self.text_encoder_2 is None
+
+    def parts(self) -> dict[str, nn.Module]:
+        """The networks that may train, by part name (those the DiT has)."""
+        named = {name: getattr(self, name) for name in PART_NAMES}
+        return {name: module for name, module in named.items() if module is not None}
 
     def networks(self) -> dict[str, nn.Module]:
-        return {name: getattr(self, name) for name in (*PART_NAMES, "vae")}
+        return self.parts() | {"vae": self.vae}
 
 
 @dataclass(frozen=True)
@@ -81,7 +95,7 @@ class DiTBackbone:
 
     # -- networks -------------------------------------------------------------------------
     def parts(self) -> dict[str, nn.Module]:
-        return {name: getattr(self.components, name) for name in PART_NAMES}
+        return self.components.parts()
 
     def frozen(self) -> dict[str, nn.Module]:
         return {"vae": self.components.vae}
@@ -112,15 +126,25 @@ class DiTBackbone:
         return {f"blocks.{i}": block for i, block in enumerate(self.components.transformer.blocks)}
 
     def unused_parameters(self, part: str) -> tuple[str, ...]:
-        if part == "transformer":
-            return ()
+        if part == "transformer" or self.components.single_text_encoder:
+            return ()  # one encoder: its last layer, final norm and pooling are all read
         return unused_text_layers(part, getattr(self.components, part))
 
     def adapter_targets(self, part: str, preset: str) -> list[str]:
-        suffixes = TRANSFORMER_TARGETS[preset] if part == "transformer" else TEXT_TARGETS[preset]
-        return adapter_layers(
-            getattr(self.components, part), suffixes, self.unused_parameters(part)
-        )
+        if part == "transformer":
+            suffixes = TRANSFORMER_TARGETS[preset]
+        elif self.components.single_text_encoder:
+            suffixes = SINGLE_TEXT_TARGETS[preset]
+        else:
+            suffixes = TEXT_TARGETS[preset]
+        module = getattr(self.components, part)
+        targets = adapter_layers(module, suffixes, self.unused_parameters(part))
+        if not targets:
+            raise ValueError(
+                f"parts.{part}: no linear layer of this {type(module).__name__} is named as "
+                f"lora.targets {preset} expects ({', '.join(suffixes)}); train it full"
+            )
+        return targets
 
     # -- latents (impasto.models.autoencoder) ------------------------------------------
     def latent_posterior(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
@@ -150,7 +174,10 @@ class DiTBackbone:
 
     # -- conditioning ---------------------------------------------------------------------
     def encode_text(self, captions: list[str]) -> PromptEmbeds:
-        return encode_prompts(self.components, captions)
+        parts = self.components
+        if parts.single_text_encoder:
+            return encode_single(parts.text_encoder, parts.tokenizer, captions)
+        return encode_prompts(parts, captions)
 
     def text_from_cache(self, batch: Batch) -> PromptEmbeds | None:
         if batch.prompt_embeds is None:
@@ -164,7 +191,7 @@ class DiTBackbone:
         return DiTConditioning(text.prompt_embeds, text.pooled_prompt_embeds)
 
     def sampling_condition(self, prompts: list[str], height: int, width: int) -> DiTConditioning:
-        embeds = encode_prompts(self.components, prompts)
+        embeds = self.encode_text(prompts)
         device, dtype = self.device, self.dtype
         return DiTConditioning(
             embeds.prompt_embeds.to(device=device, dtype=dtype),
@@ -223,6 +250,8 @@ class DiTBackbone:
         parts = self.components
         if kind == "latents":
             return parts.vae, str(parts.vae.dtype)
+        if parts.single_text_encoder:
+            return parts.text_encoder, parts.tokenizer, tokenizer_identity(parts.tokenizer)
         return parts.text_encoder, parts.text_encoder_2, parts.tokenizer, parts.tokenizer_2
 
     def checkpoint_metadata(self) -> dict[str, str]:

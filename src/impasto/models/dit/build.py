@@ -4,13 +4,13 @@ and the autoencoder from ``model.vae`` where given.
 
 Presets: ``tiny`` takes the demo's tiny random CLIP encoders (with the demo's larger initial
 weights, docs/demo.md) and the shipped demo VAE, so it trains on a CPU in minutes. The others
-take random full-size SDXL text encoders (benchmarks) unless ``model.text_encoder`` names an
-SDXL folder, and the demo VAE unless ``model.vae`` names another.
+take random full-size SDXL text encoders (benchmarks) unless ``model.text_encoder`` names a
+text folder (an SDXL folder's CLIP pair, or one transformers encoder:
+:mod:`impasto.models.dit.text`), and the demo VAE unless ``model.vae`` names another.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,13 +24,10 @@ from impasto.models.dit.files import save_dit_folder
 from impasto.models.dit.network import DiT, DiTConfig
 from impasto.models.dit.options import DiTOptions
 from impasto.models.dit.sizes import SIZES
+from impasto.models.dit.text import TextEncoders, load_text_folder, text_dims
 from impasto.models.exported import read_record
 from impasto.models.presets import DEMO_TEXT_INITIALIZER_FACTOR, tiny_text_encoders
-from impasto.models.tokenizers import (
-    TOKENIZER_2_PAD_TOKEN,
-    TOKENIZER_PAD_TOKEN,
-    load_clip_tokenizers,
-)
+from impasto.models.tokenizers import load_clip_tokenizers
 from impasto.models.vae_files import load_demo_vae
 
 SPEC = FamilySpec(
@@ -41,12 +38,6 @@ SPEC = FamilySpec(
     exports={"folder": save_dit_folder},
     tensor_parallel=True,
 )
-
-
-def text_dims(text_encoder: nn.Module, text_encoder_2: nn.Module) -> tuple[int, int]:
-    """(features of a text token, of the pooled text) under SDXL's conditioning."""
-    hidden = text_encoder.config.hidden_size + text_encoder_2.config.hidden_size
-    return hidden, text_encoder_2.config.projection_dim
 
 
 def random_sdxl_text_encoders() -> tuple[nn.Module, nn.Module]:
@@ -60,27 +51,19 @@ def random_sdxl_text_encoders() -> tuple[nn.Module, nn.Module]:
     )
 
 
-def load_text_encoders(
-    path: str | Path, setting: str = "model.text_encoder"
-) -> tuple[nn.Module, nn.Module, Any, Any]:
-    """The two CLIP encoders and tokenizers of a folder in the diffusers SDXL layout (an SDXL
-    folder or an exported DiT), float32, offline; ``setting`` names the config key in errors."""
-    from impasto.models.io import TRANSFORMERS_DTYPE_KWARG, load_component, load_tokenizer
-
-    root = Path(path)
-    for sub in ("text_encoder", "text_encoder_2"):
-        if not (root / sub / "config.json").is_file():
-            raise ValueError(
-                f"{setting} {root}: no {sub}/config.json; it needs the diffusers SDXL layout "
-                "(text_encoder/ and text_encoder_2/ inside)"
-            )
-    fp32 = {TRANSFORMERS_DTYPE_KWARG: torch.float32}
-    return (
-        load_component(CLIPTextModel, root, "text_encoder", **fp32),
-        load_component(CLIPTextModelWithProjection, root, "text_encoder_2", **fp32),
-        load_tokenizer(root, "tokenizer", TOKENIZER_PAD_TOKEN),
-        load_tokenizer(root, "tokenizer_2", TOKENIZER_2_PAD_TOKEN),
-    )
+def default_text_encoders(size: str, options: DiTOptions) -> TextEncoders:
+    """A preset's own text encoders (no ``model.text_encoder``): SDXL's CLIP pair, tiny or
+    full-size, random, from the global RNG."""
+    if options.text_length is not None:
+        raise ValueError(
+            "model.dit.text_length: the preset's SDXL CLIP pair reads 77 tokens; text_length "
+            "applies to a single text encoder in model.text_encoder; remove it"
+        )
+    if size == "tiny":
+        encoder, encoder_2 = tiny_text_encoders(DEMO_TEXT_INITIALIZER_FACTOR)
+    else:
+        encoder, encoder_2 = random_sdxl_text_encoders()
+    return TextEncoders(encoder, encoder_2, *load_clip_tokenizers())
 
 
 def build_preset(
@@ -91,14 +74,10 @@ def build_preset(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if text_encoder is not None:
-            encoder, encoder_2, tokenizer, tokenizer_2 = load_text_encoders(text_encoder)
+            texts = load_text_folder(text_encoder, "model.text_encoder", options.text_length)
         else:
-            if size == "tiny":
-                encoder, encoder_2 = tiny_text_encoders(DEMO_TEXT_INITIALIZER_FACTOR)
-            else:
-                encoder, encoder_2 = random_sdxl_text_encoders()
-            tokenizer, tokenizer_2 = load_clip_tokenizers()
-        text_dim, pooled_dim = text_dims(encoder, encoder_2)
+            texts = default_text_encoders(size, options)
+        text_dim, pooled_dim = text_dims(texts)
         config = DiTConfig(
             size=size, block=options.block, patch_size=options.patch_size,
             in_channels=int(vae.config.latent_channels), text_dim=text_dim,
@@ -106,9 +85,10 @@ def build_preset(
             max_grid=options.max_grid,
         )  # fmt: skip
         transformer = DiT(config)
-    for module in (transformer, vae, encoder, encoder_2):
+    components = DiTComponents(transformer, vae, *texts)
+    for module in components.networks().values():
         module.eval()
-    return DiTComponents(transformer, vae, encoder, encoder_2, tokenizer, tokenizer_2)
+    return components
 
 
 def check_objective_fits(path: str, prediction_type: str) -> None:
@@ -139,7 +119,21 @@ def build_dit_backbone(config: Any) -> DiTBackbone:
 
             vae = load_vae(model.vae, vae)
         components = build_preset(model.preset, options, model.init_seed, model.text_encoder, vae)
+    parts = getattr(config, "parts", None)  # sampling builds from the model section alone
+    check_parts_exist(components, (parts.model_extra if parts is not None else None) or {})
     return DiTBackbone(components, options.attention)
+
+
+def check_parts_exist(components: DiTComponents, named: dict[str, Any]) -> None:
+    """A ``parts.<name>`` of a part this DiT lacks (``text_encoder_2`` beside one text
+    encoder) is a one-line error, not a silent no-op."""
+    for key in named:
+        name = key.removesuffix("_lr")
+        if name in PART_NAMES and name not in components.parts():
+            raise ValueError(
+                f"parts.{key}: this DiT has one text encoder, so no {name}; its parts: "
+                f"{', '.join(components.parts())}; remove parts.{key}"
+            )
 
 
 register_family("dit")(SPEC)

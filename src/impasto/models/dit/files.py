@@ -8,7 +8,8 @@
                                    "transformer": DiTConfig}
       transformer.safetensors     the DiT's weights (key layout: docs/dit.md)
       vae/                        diffusers AutoencoderKL (config.json + safetensors)
-      text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/   transformers CLIP folders
+      text_encoder/, tokenizer/   transformers folders: SDXL's CLIP 1, or the single encoder
+      text_encoder_2/, tokenizer_2/   SDXL's CLIP 2 (absent with a single encoder)
 
 The record's ``objective`` and ``resolution`` say how the model samples
 (:mod:`impasto.models.exported`), as the SDXL exports' scheduler does.
@@ -45,14 +46,16 @@ def save_dit_folder(
     save_file(state, str(out / WEIGHTS_FILE), metadata={"impasto.family": "dit"})
     components.vae.save_pretrained(out / "vae", safe_serialization=True)
     for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
-        getattr(components, name).save_pretrained(out / name)
+        part = getattr(components, name)
+        if part is not None:  # a single text encoder has no text_encoder_2, tokenizer_2
+            part.save_pretrained(out / name)
     write_record(out, {**record, "transformer": transformer.config.to_dict()})
     return out
 
 
 def load_dit_folder(path: str | Path) -> DiTComponents:
     """The exported DiT at ``path``, float32, eval mode, offline."""
-    from impasto.models.dit.build import load_text_encoders
+    from impasto.models.dit.text import load_text_folder
     from impasto.models.io import load_component
 
     root = Path(path)
@@ -72,9 +75,9 @@ def load_dit_folder(path: str | Path) -> DiTComponents:
     if result.missing_keys or result.unexpected_keys:
         bad = (result.missing_keys or result.unexpected_keys)[0]
         raise ValueError(f"model.path {root}: {WEIGHTS_FILE} does not fit {RECORD_FILE} ({bad!r})")
-    encoder, encoder_2, tokenizer, tokenizer_2 = load_text_encoders(root, "model.path")
+    texts = load_text_folder(root, "model.path", cap=None)  # a single encoder's length as saved
     vae = load_component(AutoencoderKL, root, "vae", torch_dtype=torch.float32)
-    components = DiTComponents(transformer, vae, encoder, encoder_2, tokenizer, tokenizer_2)
+    components = DiTComponents(transformer, vae, *texts)
     for module in components.networks().values():
         module.eval()
     return components

@@ -13,10 +13,12 @@ from pydantic import Field
 from impasto.config.section import Int, Section
 
 MAX_GRID = 1024  # patches per side of a learned position table
+MAX_TEXT_LENGTH = 4096  # text tokens per prompt (T5 models read 512; Wan's UMT5 512)
 
 
 class DiTOptions(Section):
-    """``model.dit``: block variant, patches, positions, normalisation and attention kernel."""
+    """``model.dit``: block variant, patches, positions, normalisation, text length and
+    attention kernel."""
 
     block: Literal["adaln", "cross", "llama"] = Field(
         "cross",
@@ -36,6 +38,14 @@ class DiTOptions(Section):
     )
     max_grid: Int = Field(
         64, ge=1, le=MAX_GRID, description="patches per side of the learned position table"
+    )
+    text_length: Int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TEXT_LENGTH,
+        description="tokens of the prompt for a single text encoder in model.text_encoder "
+        "(padded with zeros or truncated); default: its tokenizer's model_max_length, at most "
+        "256. SDXL's CLIP pair always reads 77",
     )
     attention: Literal["auto", "flex", "varlen", "grouped", "sdpa"] = Field(
         "auto",
