@@ -275,3 +275,21 @@ def test_gradient_checkpointing_keeps_less_and_gives_the_same_gradients():
     checkpointed_bytes, checkpointed = _saved_bytes_and_grads(network, inputs)
     torch.testing.assert_close(checkpointed, plain)
     assert checkpointed_bytes < plain_bytes / 3
+
+
+def test_text_tokens_reads_the_first_n_tokens_of_the_text():
+    """``model.dit.text_length`` with SDXL's CLIP pair: the network reads the first N of the
+    77 tokens, dense and packed, as a network handed those N tokens alone."""
+    config = DiTConfig(block="cross")
+    short = _perturbed(DiTConfig(block="cross", text_tokens=16))
+    full = _perturbed(config)  # the same weights (same seed): text_tokens changes no shape
+    groups, times, text, pooled = _inputs(config)
+    got = short(groups, times, text, pooled, kernel="grouped")
+    want = full(groups, times, text[:, :16], pooled, kernel="grouped")
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    dense = groups[0]
+    torch.testing.assert_close(
+        short(dense, times[:2], text[:2], pooled[:2]),
+        full(dense, times[:2], text[:2, :16], pooled[:2]),
+    )

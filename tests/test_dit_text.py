@@ -276,7 +276,7 @@ def test_a_bad_text_folder_is_a_one_line_error(tiny_raw, tmp_path):
     assert "no tokenizer files; save the encoder" in _error(_raw(tiny_raw, no_tokenizer))
     clip = _clip_folder(tmp_path / "clip", projection=False)
     assert "at most 77" in _error(_raw(tiny_raw, clip, text_length=100))
-    assert "text_length applies to a single" in _error(_raw(tiny_raw, None, text_length=100))
+    assert "SDXL's CLIP pair encodes 77 tokens" in _error(_raw(tiny_raw, None, text_length=100))
     raw = _raw(tiny_raw, clip)
     raw["parts"] = {"text_encoder_2": "full"}
     assert "parts.text_encoder_2: this DiT has one text encoder" in _error(raw)

@@ -24,7 +24,12 @@ from impasto.models.dit.files import save_dit_folder
 from impasto.models.dit.network import DiT, DiTConfig
 from impasto.models.dit.options import DiTOptions
 from impasto.models.dit.sizes import SIZES
-from impasto.models.dit.text import TextEncoders, load_text_folder, text_dims
+from impasto.models.dit.text import (
+    TextEncoders,
+    check_pair_length,
+    load_text_folder,
+    text_dims,
+)
 from impasto.models.exported import read_record
 from impasto.models.presets import DEMO_TEXT_INITIALIZER_FACTOR, tiny_text_encoders
 from impasto.models.tokenizers import load_clip_tokenizers
@@ -54,11 +59,7 @@ def random_sdxl_text_encoders() -> tuple[nn.Module, nn.Module]:
 def default_text_encoders(size: str, options: DiTOptions) -> TextEncoders:
     """A preset's own text encoders (no ``model.text_encoder``): SDXL's CLIP pair, tiny or
     full-size, random, from the global RNG."""
-    if options.text_length is not None:
-        raise ValueError(
-            "model.dit.text_length: the preset's SDXL CLIP pair reads 77 tokens; text_length "
-            "applies to a single text encoder in model.text_encoder; remove it"
-        )
+    check_pair_length(options.text_length)
     if size == "tiny":
         encoder, encoder_2 = tiny_text_encoders(DEMO_TEXT_INITIALIZER_FACTOR)
     else:
@@ -83,6 +84,7 @@ def build_preset(
             in_channels=int(vae.config.latent_channels), text_dim=text_dim,
             pooled_dim=pooled_dim, qk_norm=options.qk_norm, position=options.position,
             max_grid=options.max_grid,
+            text_tokens=options.text_length if texts.encoder_2 is not None else None,
         )  # fmt: skip
         transformer = DiT(config)
     components = DiTComponents(transformer, vae, *texts)

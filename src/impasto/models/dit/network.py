@@ -56,6 +56,7 @@ class DiTConfig:
     qk_norm: str = "rms"
     position: str = "rope"
     max_grid: int = 64
+    text_tokens: int | None = None  # read the first N text tokens only (None: all)
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
@@ -193,6 +194,11 @@ class DiT(nn.Module):
             if linear.bias is not None:
                 nn.init.zeros_(linear.bias)
 
+    def _read_text(self, text: Tensor | None) -> Tensor | None:
+        """The text tokens the network reads: the first ``config.text_tokens`` (all if None)."""
+        tokens = self.config.text_tokens
+        return text if text is None or tokens is None else text[:, :tokens]
+
     def enable_gradient_checkpointing(self) -> None:
         """Recompute every block's activations in backward instead of keeping them (diffusers'
         switch, which :mod:`impasto.train.memory` turns on and then off per block)."""
@@ -248,6 +254,7 @@ class DiT(nn.Module):
         ``[B, C, h, w]``. A list of groups of latents is a pack (:meth:`forward_packed`,
         whose arguments ``capacity`` and ``kernel`` are): called through ``forward``, so that
         what wraps the module (FSDP, DDP, hooks) sees both kinds of call."""
+        text = self._read_text(text)
         if isinstance(x, list):
             return self.forward_packed(x, timesteps, text, pooled, capacity, kernel)
         patch = self.config.patch_size
@@ -271,6 +278,7 @@ class DiT(nn.Module):
         ``pooled`` ``[N, pooled_dim]`` for the N samples in group order. The pack holds
         ``capacity`` tokens (default: the next multiple of 128). Returns the predictions of
         each group, shaped as it."""
+        text = self._read_text(text)
         patch, device = self.config.patch_size, groups[0].device
         grids = [
             (g.shape[-2] // patch, g.shape[-1] // patch) for g in groups for _ in range(g.shape[0])

@@ -43,9 +43,10 @@ class DiTOptions(Section):
         None,
         ge=1,
         le=MAX_TEXT_LENGTH,
-        description="tokens of the prompt for a single text encoder in model.text_encoder "
-        "(padded with zeros or truncated); default: its tokenizer's model_max_length, at most "
-        "256. SDXL's CLIP pair always reads 77",
+        description="text tokens per prompt: a single text encoder in model.text_encoder "
+        "pads (with zeros) or truncates to it (default: its tokenizer's model_max_length, at "
+        "most 256); with SDXL's CLIP pair (77 tokens) the transformer reads the first "
+        "text_length of them (CLIP is causal: the same states; default: all 77)",
     )
     attention: Literal["auto", "flex", "varlen", "grouped", "sdpa"] = Field(
         "auto",

@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from impasto.models.components import PromptEmbeds
 
+CLIP_TOKENS = 77  # what SDXL's CLIP pair encodes
 DEFAULT_MAX_TEXT_LENGTH = 256  # tokens; SD3 and PixArt-Σ read T5 at 256 and 300
 
 ENCODER_CLASSES: dict[str, str] = {
@@ -95,11 +96,7 @@ def load_text_folder(
     in the one-line errors."""
     root = Path(path)
     if (root / "text_encoder_2").is_dir():
-        if text_length is not None:
-            raise ValueError(
-                "model.dit.text_length: SDXL's CLIP pair reads 77 tokens; text_length applies to "
-                "a single text encoder (docs/dit.md, Text encoders); remove it"
-            )
+        check_pair_length(text_length)
         return load_sdxl_pair(root, setting)
     if (root / "text_encoder" / "config.json").is_file():
         model_dir = root / "text_encoder"
@@ -115,6 +112,15 @@ def load_text_folder(
     encoder = load_encoder(model_dir, setting)
     tokenizer = load_tokenizer(tokenizer_dir, setting, encoder, text_length, cap)
     return TextEncoders(encoder, None, tokenizer, None)
+
+
+def check_pair_length(text_length: int | None) -> None:
+    """SDXL's CLIP pair encodes 77 tokens; the DiT may read the first ``text_length`` of them."""
+    if text_length is not None and text_length > CLIP_TOKENS:
+        raise ValueError(
+            f"model.dit.text_length: {text_length}, but SDXL's CLIP pair encodes "
+            f"{CLIP_TOKENS} tokens; set it to at most {CLIP_TOKENS}"
+        )
 
 
 def load_sdxl_pair(root: Path, setting: str) -> TextEncoders:
