@@ -51,7 +51,8 @@ def test_every_stage_runs_in_a_dry_run(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     stages = ["env", "ceilings", "tests", "sdxl-512", "sdxl-1024", "sdxl-1024-compile",
-              "sdxl-1024-memory", "fsdp", "draftp", "cache", "train-cached"]  # fmt: skip
+              "sdxl-1024-memory", "fsdp", "draftp", "cache", "train-cached", "dit-tiny",
+              "dit-xl"]  # fmt: skip
     assert list(results["stages"]) == stages
     assert all(results["stages"][stage]["exit"] == 0 for stage in stages)
     assert results["ceilings"]["copy"]["gbps"] > 0
@@ -66,9 +67,40 @@ def test_every_stage_runs_in_a_dry_run(tmp_path):
     assert results["cache"]["images"] == 8 and results["cache"]["images_per_s"] > 0
     trained = results["train-cached"]
     assert trained["steps"] == 4 and trained["step_time"] > 0 and 0 <= trained["data_wait"] < 1
+    for stage in ("dit-tiny", "dit-xl"):  # dit-tiny in both: 3 images of 64² in a dry run
+        dit = results[stage]
+        assert dit["model"] == "dit-tiny" and dit["image_tokens"] == 46
+        assert [(row["layout"], row["sequence_tokens"]) for row in dit["rows"]] == [
+            ("padded", 128), ("packed", 128)
+        ]  # fmt: skip
+        assert len(dit["ratios"][0]["rounds"]) == 2  # at least 2 interleaved rounds
     text = (out / "results.md").read_text()
     assert "## sdxl-1024-memory" in text and "## draftp at 64²" in text
+    assert "## dit-xl" in text and "default: padded / packed step time" in text
     assert sorted(path.name for path in out.iterdir()) == ["log.txt", "results.json", "results.md"]
+
+
+def test_the_report_tables_the_packed_against_padded_bench():
+    bench = {
+        "model": "dit-xl", "resolution": 256, "precision": "bf16", "device": "NVIDIA H100",
+        "images": 48, "image_tokens": 11776, "flops_per_token": 3.4e9,
+        "trained_parameters": 940_502_032, "rounds": 2, "steps": 10,
+        "rows": [
+            {"variant": "default", "layout": "padded", "sequence_tokens": 12288, "fill": 0.958,
+             "step_ms": 110.0, "rounds_ms": [109.0, 111.0], "tokens_per_s": 107054.5,
+             "tflops": 364.0, "mfu": 0.368, "peak_memory_gib": 40.5, "vs_padded": 1.0},
+            {"variant": "default", "layout": "packed", "sequence_tokens": 11776, "fill": 1.0,
+             "step_ms": None, "error": "out of memory"},
+        ],
+        "ratios": [{"variant": "default", "median": 1.04, "min": 1.03, "max": 1.05,
+                    "rounds": [1.03, 1.05]}],
+    }  # fmt: skip
+    text = report.markdown({"stages": {"dit-xl": {"exit": 0, "seconds": 150}}, "dit-xl": bench})
+    assert "| dit-xl | 0 | 150 |" in text and "3.4 GFLOP per image token" in text
+    row = "| default | padded | 12288 | 95.8% | 110.0 | 109.0, 111.0 | 107054 | 364.0 | 36.8% |"
+    assert row + " 40.50 | 1.000 |" in text
+    assert "| default | packed | 11776 | 100.0% | out of memory |" in text
+    assert "default: padded / packed step time 1.040 (median of 2 rounds, 1.030-1.050)" in text
 
 
 def test_past_its_deadline_no_stage_starts_and_the_report_says_so(tmp_path):

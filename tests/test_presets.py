@@ -75,3 +75,26 @@ def test_each_preset_trains_two_steps_on_the_tiny_model_as_its_comments_say(
     checkpoint = Path(config.train.output_dir) / "checkpoints" / "step-00000002"
     state = json.loads((checkpoint / "state.json").read_text())
     assert state["train"]["step"] == 2, state["train"]
+
+
+def test_the_dit_xl_stages_train_two_steps_each_on_the_tiny_dit_as_their_comments_say(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """configs/dit-xl.yaml (256²) and configs/dit-xl-512.yaml, which starts from its run."""
+    shutil.copytree(CONFIGS, tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    for name in ("dit-xl.yaml", "dit-xl-512.yaml"):
+        user, smoke = commented_commands(CONFIGS / name)
+        assert user and smoke  # the commands for your data (impasto cache), the smoke test
+        for args in smoke:
+            assert main(args) == 0, args
+    first = load_config(tmp_path / "configs" / "dit-xl.yaml")
+    assert (first.model.family, first.model.preset, first.data.resolution) == ("dit", "xl", 256)
+    assert (first.optim.lr, first.optim.weight_decay, first.ema.decay) == (1e-4, 0.0, 0.9999)
+    assert first.parallel.strategy == "fsdp" and first.data.pack_tokens == 8192
+    second = load_config(tmp_path / "configs" / "dit-xl-512.yaml")
+    assert second.model.path == str(tmp_path / "runs" / "dit-xl") and second.model.preset is None
+    assert second.data.resolution == 512 and second.objective == first.objective
+    for run in ("dit-xl", "dit-xl-512"):
+        state = tmp_path / "runs" / run / "checkpoints" / "step-00000002" / "state.json"
+        assert json.loads(state.read_text())["train"]["step"] == 2

@@ -13,7 +13,7 @@ from typing import Any
 
 STAGE_FILES = (
     "env", "ceilings", "tests", "sdxl-512", "sdxl-1024", "sdxl-1024-compile", "sdxl-1024-memory",
-    "fsdp", "draftp", "cache", "train-cached",
+    "fsdp", "draftp", "cache", "train-cached", "dit-tiny", "dit-xl",
 )  # fmt: skip
 
 
@@ -69,6 +69,41 @@ def bench_table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def packed_table(report: dict[str, Any]) -> list[str]:
+    """An ``impasto bench --model dit-*`` report (packed against padded) as Markdown rows."""
+    lines = [
+        f"{report['model']} at {report['resolution']}², {report['precision']}, "
+        f"{report['device']}; {report['images']} images, {report['image_tokens']} image tokens; "
+        f"{report['flops_per_token'] / 1e9:.3g} GFLOP per image token (meta count); "
+        f"{report['trained_parameters'] / 1e6:.0f} M parameters; median of {report['rounds']} "
+        f"interleaved rounds of {report['steps']} steps",
+        "",
+        "| variant | layout | sequence | fill | step ms | rounds (ms) | tokens/s | TFLOP/s | MFU "
+        "| peak GiB | vs padded |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        head = (
+            f"| {row['variant']} | {row['layout']} | {row['sequence_tokens']} | {row['fill']:.1%}"
+        )
+        if row.get("error"):
+            lines.append(f"{head} | {row['error']} | | | | | | |")
+            continue
+        spread = ", ".join(f"{value:.1f}" for value in row.get("rounds_ms") or [])
+        lines.append(
+            f"{head} | {row['step_ms']:.1f} | {spread} | {row['tokens_per_s']:.0f} | "
+            f"{number(row['tflops'], '.1f')} | {number(row['mfu'], '.1%')} | "
+            f"{number(row['peak_memory_gib'], '.2f')} | {number(row['vs_padded'], '.3f')} |"
+        )
+    for ratio in report["ratios"]:
+        lines += [
+            "",
+            f"{ratio['variant']}: padded / packed step time {ratio['median']:.3f} "
+            f"(median of {len(ratio['rounds'])} rounds, {ratio['min']:.3f}-{ratio['max']:.3f})",
+        ]
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = ["# GPU campaign results", ""]
     lines += ["| stage | exit | seconds |", "|---|---|---|"]
@@ -88,6 +123,9 @@ def markdown(results: dict[str, Any]) -> str:
     for name in ("sdxl-512", "sdxl-1024", "sdxl-1024-compile", "sdxl-1024-memory", "fsdp"):
         if name in results and "rows" in results[name]:
             lines += ["", f"## {name}", "", *bench_table(results[name])]
+    for name in ("dit-tiny", "dit-xl"):
+        if name in results and "rows" in results[name]:
+            lines += ["", f"## {name}", "", *packed_table(results[name])]
     if "draftp" in results and "steps" in results["draftp"]:
         draftp = results["draftp"]
         lines += [

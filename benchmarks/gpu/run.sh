@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU campaign in one command (issues #19, #14, #15): what a session with the lent GPU runs.
+# The GPU campaign in one command (issues #19, #14, #15, #31): what a session with the lent GPU runs.
 #
 #   bash benchmarks/gpu/run.sh STAGE [STAGE ...]
 #
@@ -15,6 +15,8 @@
 #   draftp     DRaFT+ steps of sdxl at 1024², LoRA 32, K=1, checkpointing: time, memory (#15)
 #   cache      impasto cache: VAE latents of 1024² images, img/s
 #   train-cached  configs/sdxl-lora.yaml trained on that cache: step time, MFU, data wait
+#   dit-tiny   impasto bench --model dit-tiny: packed against padded, FLOPs per token (#31)
+#   dit-xl     the same for DiT-XL/2 at 256², 48 images (a pack of 11776 tokens): MFU (#31)
 #
 # On the device (first, here: bash benchmarks/gpu/fetch_wheels.sh):
 #   run(command="DEADLINE_S=330 bash benchmarks/gpu/run.sh env ceilings tests fsdp draftp sdxl-1024",
@@ -25,8 +27,8 @@
 # DRY_RUN=1 runs every stage on this machine's CPU with the tiny model and few steps: it checks
 # the plumbing (CI does: tests/test_gpu_script.py), so that device time goes to measuring.
 # Knobs (environment): BATCH_512, BATCH_1024, STEPS, WARMUP, ROUNDS, VARIANTS,
-# COMPILE_VARIANTS, MEMORY_VARIANTS, TRAIN_STEPS, PYTHON, DEADLINE_S (start no stage after
-# this many seconds; the report is rewritten after every stage either way).
+# COMPILE_VARIANTS, MEMORY_VARIANTS, TRAIN_STEPS, DIT_BATCH, PYTHON, DEADLINE_S (start no stage
+# after this many seconds; the report is rewritten after every stage either way).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -42,6 +44,7 @@ if [[ "$DRY_RUN" == 1 ]]; then
     STEPS="${STEPS:-2}"; WARMUP="${WARMUP:-1}"; ROUNDS="${ROUNDS:-1}"
     VARIANTS="${VARIANTS:-default lora_r32}"; DRAFTP_STEPS=4; CACHE_IMAGES=8; TRAIN_STEPS=4
     COMPILE_VARIANTS="${COMPILE_VARIANTS:-compile}"; MEMORY_VARIANTS="${MEMORY_VARIANTS:-adafactor}"
+    DIT_XL=dit-tiny; DIT_RES=64; DIT_BATCH="${DIT_BATCH:-3}"
 else
     MODEL=sdxl; RES_LOW=512; RES_HIGH=1024; BATCH_512="${BATCH_512:-16}"
     BATCH_1024="${BATCH_1024:-4}"; STEPS="${STEPS:-10}"; WARMUP="${WARMUP:-3}"
@@ -49,6 +52,7 @@ else
     VARIANTS="${VARIANTS:-default channels_last fused pure_bf16 checkpointing low_memory lora_r32}"
     COMPILE_VARIANTS="${COMPILE_VARIANTS:-compile compile_unet cuda_graphs}"
     MEMORY_VARIANTS="${MEMORY_VARIANTS:-adafactor offload adamw_8bit}"
+    DIT_XL=dit-xl; DIT_RES=256; DIT_BATCH="${DIT_BATCH:-48}"
 fi
 
 setup() {
@@ -121,6 +125,20 @@ stage_sdxl_1024_memory() {
     bench sdxl-1024-memory "$RES_HIGH" "$BATCH_1024" --variants $MEMORY_VARIANTS
 }
 stage_fsdp() { bench fsdp "$RES_HIGH" "$BATCH_1024" --parallel fsdp --nproc 1 --variants default; }
+
+dit_bench() {  # dit_bench NAME MODEL RESOLUTION BATCH: packed against padded, interleaved
+    local name=$1 model=$2 resolution=$3 batch=$4
+    impasto bench --model "$model" --resolution "$resolution" --batch "$batch" --steps "$STEPS" \
+        --warmup "$WARMUP" --rounds "$((ROUNDS > 1 ? ROUNDS : 2))" --precision bf16 --json \
+        > "$WORK/$name.json" || return 1
+    "$PY" -c "import json, sys; from impasto.bench import format_report; \
+print(format_report(json.load(open(sys.argv[1]))))" "$WORK/$name.json"
+}
+# The tiny DiT: the demo's three aspect ratios, 12 images at 256² (64² and 3 in a dry run).
+stage_dit_tiny() {
+    if [[ "$DRY_RUN" == 1 ]]; then dit_bench dit-tiny dit-tiny 64 3; else dit_bench dit-tiny dit-tiny 256 12; fi
+}
+stage_dit_xl() { dit_bench dit-xl "$DIT_XL" "$DIT_RES" "$DIT_BATCH"; }
 
 stage_draftp() {
     local run="$WORK/draftp-run" size="$RES_HIGH"
@@ -196,8 +214,9 @@ print(json.dumps({"resolution": int(sys.argv[2]), "steps": len(records),
 PYEOF
 }
 
-STAGES=(env ceilings tests sdxl-512 sdxl-1024 sdxl-1024-compile sdxl-1024-memory fsdp draftp cache train-cached)
-[[ $# -eq 0 ]] && { sed -n '2,27p' "$0"; exit 2; }
+STAGES=(env ceilings tests sdxl-512 sdxl-1024 sdxl-1024-compile sdxl-1024-memory fsdp draftp cache
+        train-cached dit-tiny dit-xl)
+[[ $# -eq 0 ]] && { sed -n '2,31p' "$0"; exit 2; }
 [[ "$1" == all ]] && set -- "${STAGES[@]}"
 for stage in "$@"; do
     [[ " ${STAGES[*]} " == *" $stage "* ]] || { echo "run.sh: unknown stage $stage; valid: ${STAGES[*]}"; exit 2; }

@@ -91,6 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         overrides=args.set or [],
         parallel=args.parallel,
         nproc=args.nproc,
+        estimate=args.estimate,
     )
     if report is not None:  # None: a rank other than 0 of a parallel bench
         print(json.dumps(report) if args.json else format_report(report))
@@ -405,16 +406,43 @@ def _add_cache(sub: Subcommands) -> None:
 
 
 def _add_bench(sub: Subcommands) -> None:
-    """`impasto bench`: the training step against the plain diffusers step."""
+    """`impasto bench`: the training step against the plain diffusers step, or packed against
+    padded for a model that packs tokens."""
     bench = sub.add_parser(
-        "bench", help="time the training step against the plain diffusers step (synthetic data)"
+        "bench",
+        help="time the training step against the plain diffusers step, or packed against "
+        "padded (FAMILY-PRESET models); synthetic data",
     )
-    bench.add_argument("--model", default="tiny", help="model preset: tiny, sdxl (default tiny)")
-    bench.add_argument("--resolution", type=int, help="default: 64 for tiny, 1024 for sdxl")
-    bench.add_argument("--batch", type=int, default=2)
-    bench.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    bench.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    bench.add_argument("--rounds", type=int, default=1, help="repeat all variants; median")
+    bench.add_argument(
+        "--model",
+        default="tiny",
+        help="model preset: tiny, sdxl (default tiny), or FAMILY-PRESET of another family, "
+        "e.g. the diffusion transformer's sizes (timed packed against padded)",
+    )
+    bench.add_argument(
+        "--resolution", type=int, help="default: 64 for tiny, 1024 for sdxl; FAMILY-tiny 128, "
+        "other FAMILY-PRESET 256",
+    )  # fmt: skip
+    bench.add_argument(
+        "--batch", type=int, help="images per step (default 2; FAMILY-PRESET: as many of 3 "
+        "shapes as fill 3072 padded tokens)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--steps", type=int, help="timed steps per variant (default 10; FAMILY-PRESET 3)"
+    )
+    bench.add_argument(
+        "--warmup", type=int, help="untimed steps first (default 3; FAMILY-PRESET 1)"
+    )
+    bench.add_argument(
+        "--rounds", type=int, help="repeat all variants, interleaved; median (default 1; "
+        "FAMILY-PRESET 3)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--estimate",
+        action="store_true",
+        help="FAMILY-PRESET: count FLOPs per token, parameters and memory on the meta device; "
+        "time nothing (any size, on any machine)",
+    )
     bench.add_argument("--precision", default="auto", help="auto | bf16 | fp32 | pure_bf16")
     bench.add_argument("--device", default="auto")
     bench.add_argument(

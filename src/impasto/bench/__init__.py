@@ -16,27 +16,31 @@ mean something. Each variant builds a fresh model (same seed) and frees it befor
 
 ``parallel`` (``ddp``, ``fsdp``) times the trainer's step on several processes instead, one per
 visible GPU (or ``nproc`` CPU processes on gloo): see :mod:`impasto.bench.parallel`.
+
+A model of another family, named ``FAMILY-PRESET``, has no diffusers baseline: its step is
+timed packed against padded, per image token (:mod:`impasto.bench.packed`); ``estimate``
+counts its FLOPs and memory on the meta device without timing.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from impasto.bench.diffusers_step import DiffusersStep, count_flops
+from impasto.bench.packed import family_preset, model_names, run_packed_bench
 from impasto.bench.report import format_report
 from impasto.bench.step import (
     VARIANTS,
     ImpastoStep,
     bench_config,
     free_memory,
-    sync_device,
     synthetic_batch,
+    time_steps,
 )
 from impasto.logging.flops import peak_tflops
 from impasto.models.presets import reusing_preset_builds
@@ -62,40 +66,25 @@ class BenchRow:
     rounds_ms: list[float] | None = None  # each round's step time (the spread of the median)
 
 
-def time_steps(
-    step: Callable[[], None], device: torch.device, warmup: int, steps: int
-) -> tuple[float, float | None]:
-    """(seconds per step, peak memory GiB or None on CPU) after ``warmup`` untimed steps."""
-    for _ in range(warmup):
-        step()
-    sync_device(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync_device(device)
-    seconds = (time.perf_counter() - start) / steps
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return seconds, peak
-
-
 def run_bench(
     model: str = "tiny",
     resolution: int | None = None,
-    batch: int = 2,
-    steps: int = 10,
-    warmup: int = 3,
-    rounds: int = 1,
+    batch: int | None = None,
+    steps: int | None = None,
+    warmup: int | None = None,
+    rounds: int | None = None,
     precision: str = "auto",
     variants: Sequence[str] = ("default",),
     device: str = "auto",
     overrides: Sequence[str] = (),
     parallel: str = "none",
     nproc: int | None = None,
+    estimate: bool = False,
 ) -> dict[str, Any] | None:
     """Time the diffusers step and each variant; returns a JSON-able report. With ``parallel``
-    (ddp, fsdp): :func:`run_parallel_bench` (its report; None on the ranks other than 0)."""
+    (ddp, fsdp): :func:`run_parallel_bench` (its report; None on the ranks other than 0). A
+    ``FAMILY-PRESET`` model: :func:`~impasto.bench.packed.run_packed_bench` (left-out
+    ``batch``, ``steps``, ``warmup`` and ``rounds`` take its defaults)."""
     if parallel not in ("none", *PARALLEL_STRATEGIES):
         raise ValueError(
             f"bench: unknown --parallel {parallel!r}; valid: {', '.join(PARALLEL_STRATEGIES)} "
@@ -104,6 +93,22 @@ def run_bench(
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown:
         raise ValueError(f"bench: unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
+    if model not in model_names():
+        raise ValueError(f"bench: unknown --model {model!r}; valid: {', '.join(model_names())}")
+    named = family_preset(model)
+    if named is not None:
+        if parallel != "none":
+            raise ValueError(f"bench: --parallel is not built for {model} yet; leave it out")
+        given = {"steps": steps, "warmup": warmup, "rounds": rounds}
+        return run_packed_bench(
+            *named, resolution, batch, precision=precision, variants=tuple(variants),
+            device=device, overrides=tuple(overrides), estimate=estimate,
+            **{key: value for key, value in given.items() if value is not None},
+        )  # fmt: skip
+    if estimate:
+        raise ValueError(f"bench: --estimate is for FAMILY-PRESET models, not {model}")
+    batch, steps = batch or 2, steps or 10
+    warmup, rounds = 3 if warmup is None else warmup, rounds or 1
     resolution = resolution or DEFAULT_RESOLUTION.get(model, 1024)
     base = bench_config(model, resolution, batch, precision, device, overrides)
     check_config(base)  # the user's --model and --set names; the variants' are impasto's own
@@ -195,5 +200,6 @@ __all__ = [
     "count_flops",
     "format_report",
     "run_bench",
+    "run_packed_bench",
     "time_steps",
 ]

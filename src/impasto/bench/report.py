@@ -1,5 +1,6 @@
-"""The report of ``impasto bench`` as a table (the one-process form here; the parallel form is
-:func:`impasto.bench.parallel.format_parallel_report`)."""
+"""The report of ``impasto bench`` as a table: the one-process form, the packed-vs-padded form
+of a model that packs tokens (:mod:`impasto.bench.packed`), and the parallel form
+(:func:`impasto.bench.parallel.format_parallel_report`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ def format_report(report: dict[str, Any]) -> str:
         from impasto.bench.parallel import format_parallel_report
 
         return format_parallel_report(report)
+    if "image_tokens" in report:
+        return format_packed_report(report)
     show = show_value
 
     lines = [
@@ -34,3 +37,64 @@ def format_report(report: dict[str, Any]) -> str:
             f"{show(row['peak_memory_gib'], '.2f'):>9} {row['vs_diffusers']:>13.3f}"
         )
     return "\n".join(lines)
+
+
+def format_packed_report(report: dict[str, Any]) -> str:
+    """The packed-vs-padded report: the images, FLOPs and memory, then (unless it is an
+    estimate) a row per variant and layout and the ratio of each variant."""
+    show, memory = show_value, report["memory_gib"]
+    shapes = ", ".join(
+        f"{s['images']} × {s['height']}x{s['width']} of {s['tokens']} tokens"
+        for s in report["shapes"]
+    )
+    sequence = report["sequence_tokens"]
+    extra = report["padded_flops_per_step"] / report["packed_flops_per_step"] - 1
+    lines = [
+        f"impasto bench{' --estimate' if report['estimate'] else ''}: {report['model']} at "
+        f"{report['resolution']}², {report['precision']}, {report['device']}; "
+        f"{report['images']} images ({shapes}): {report['image_tokens']} image tokens",
+        f"parameters: {count(report['trained_parameters'])} trained, "
+        f"{count(report['frozen_parameters'])} frozen; "
+        f"{count(report['flops_per_token'], 'FLOP')} per image token, "
+        f"{count(report['flops_per_step'], 'FLOP')} per step ({report['flops_method']})",
+        f"memory before activations: weights {memory['weights']:.2f} + gradients "
+        f"{memory['gradients']:.2f} + optimizer {memory['optimizer']:.2f} + EMA "
+        f"{memory['ema']:.2f} = {memory['trained_total']:.2f} GiB trained; frozen networks "
+        f"{memory['frozen']:.2f} GiB",
+        f"packed: the images end to end in {sequence['packed']} tokens; padded (baseline): "
+        f"each padded to the largest image's tokens, {sequence['padded']} tokens "
+        f"({extra:+.1%} FLOPs)",
+    ]
+    if report["estimate"]:
+        return "\n".join([*lines, "estimate only: nothing was timed"])
+    lines += [
+        f"median of {report['rounds']} interleaved round(s) of {report['steps']} steps",
+        f"{'variant':<14} {'layout':<7} {'sequence':>8} {'fill':>7} {'step ms':>9} "
+        f"{'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'vs padded':>10}",
+    ]
+    for row in report["rows"]:
+        head = f"{row['variant']:<14} {row['layout']:<7} {row['sequence_tokens']:>8} "
+        head += f"{row['fill']:>7.1%}"
+        if row.get("error"):
+            lines.append(f"{head} {row['error']}")
+            continue
+        lines.append(
+            f"{head} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} "
+            f"{show(row['tflops'], '.3g'):>8} {show(row['mfu'], '.1%'):>6} "
+            f"{show(row['peak_memory_gib'], '.2f'):>9} {show(row['vs_padded'], '.3f'):>10}"
+        )
+    for ratio in report["ratios"]:
+        lines.append(
+            f"{ratio['variant']}: padded / packed step time {ratio['median']:.3f} (median of "
+            f"{len(ratio['rounds'])} rounds, {ratio['min']:.3f}-{ratio['max']:.3f})"
+        )
+    return "\n".join(lines)
+
+
+def count(value: float, unit: str = "") -> str:
+    """``value`` with an SI prefix: 2.6 M, 941 M, 7.61 B (FLOP: 11.7 MFLOP, 79.4 TFLOP)."""
+    prefixes = ("T", "G", "M", "k") if unit else ("B", "M", "k")
+    for scale, prefix in zip((1e12, 1e9, 1e6, 1e3)[-len(prefixes) :], prefixes, strict=True):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}".rstrip()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import gc
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -127,6 +128,24 @@ class ImpastoStep:
         self.number += 1
         if setup.ema is not None:
             setup.ema.update(self.number)
+
+
+def time_steps(
+    step: Callable[[], None], device: torch.device, warmup: int, steps: int
+) -> tuple[float, float | None]:
+    """(seconds per step, peak memory GiB or None on CPU) after ``warmup`` untimed steps."""
+    for _ in range(warmup):
+        step()
+    sync_device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync_device(device)
+    seconds = (time.perf_counter() - start) / steps
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return seconds, peak
 
 
 def sync_device(device: torch.device) -> None:

@@ -16,7 +16,9 @@ Terms:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
@@ -231,6 +233,33 @@ register_backbone = registrar(BACKBONES, "model family")
 def build_backbone(config: Any) -> Backbone:
     """The backbone ``config.model.family`` names, built from ``config.model``."""
     return lookup(BACKBONES, config.model.family, "model.family", "family")(config)
+
+
+@contextlib.contextmanager
+def reusing_builds() -> Iterator[None]:
+    """Within the block, each ``config.model`` section is built once; later builds of the same
+    section return deep copies (independent, equal to a fresh build: presets build from
+    ``model.init_seed``). ``impasto bench`` builds the same random model for every variant and
+    round; a large family's random text encoders and denoiser take a minute of CPU to
+    initialise, a copy seconds. ``BACKBONES`` is restored when the block ends."""
+    built: dict[str, Backbone] = {}
+    builders = dict(BACKBONES)
+
+    def reuse(builder: BackboneBuilder) -> BackboneBuilder:
+        def build(config: Any) -> Backbone:
+            key = config.model.model_dump_json()
+            if key not in built:
+                built[key] = builder(config)
+            return copy.deepcopy(built[key])
+
+        return build
+
+    BACKBONES.update({family: reuse(builder) for family, builder in builders.items()})
+    try:
+        yield
+    finally:
+        BACKBONES.clear()
+        BACKBONES.update(builders)
 
 
 def adapter_layers(

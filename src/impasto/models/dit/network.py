@@ -287,9 +287,10 @@ class DiT(nn.Module):
         tokens = torch.cat([patchify(g, patch).flatten(0, 1) for g in groups])
         padding = tokens.new_zeros(pack.capacity - pack.num_tokens, tokens.shape[-1])
         tokens = torch.cat([tokens, padding])[None]
+        autocast = torch.amp.is_autocast_available(device.type)  # not on meta (FLOP counts)
         dtype = (
             torch.get_autocast_dtype(device.type)
-            if torch.is_autocast_enabled(device.type)
+            if autocast and torch.is_autocast_enabled(device.type)
             else tokens.dtype
         )
         kernel = pick_kernel(kernel, device, dtype)
