@@ -75,7 +75,7 @@ SAMPLE = {"every_steps": 3, "prompts": ["a red circle"], "num_steps": 2, "resolu
 def runs(tmp_path_factory) -> Path:
     """``tp2`` / ``tp2-llama``: 2 ranks, one tensor-parallel group (``tp2-llama`` with
     activation checkpointing of every block); ``mesh``: 4 ranks, 2 data
-    shares x tp 2; ``resume``: 3 steps at tp 2, then 2 more at tp 1 in one process; ``one-*``:
+    shares x tp 2 (fsdp, and hsdp on a 3-D mesh); ``resume``: 3 steps at tp 2, then 2 more at tp 1 in one process; ``one-*``:
     the one-process references (``one-accum``: 2 packs per step, as 2 data shares take)."""
     tmp = tmp_path_factory.mktemp("tensor-parallel")
     data = tmp / "data"
@@ -90,7 +90,10 @@ def runs(tmp_path_factory) -> Path:
         (config("tp2-llama", "fsdp", 2, memory=CHECKPOINTED, **LLAMA), False),
         (config("resume", "fsdp", 2), False),
     ])  # fmt: skip
-    launch_plan(tmp, [(config("mesh", "fsdp", 2), False)], nproc=4)
+    launch_plan(tmp, [
+        (config("mesh", "fsdp", 2), False),
+        (config("hsdp", "hsdp", 2, parallel={"shard_size": 2}), False),
+    ], nproc=4)  # fmt: skip
     in_process(
         (config("one", "none", sample=SAMPLE), False),
         (config("one-llama", "none", **LLAMA), False),
@@ -121,10 +124,12 @@ def test_validation_samples_match_one_process(runs):
         assert difference.max() <= 1  # rounding of float-equal pixels
 
 
-def test_fsdp_by_tensor_parallel_mesh_trains_like_one_process(runs):
-    """4 ranks as 2 data shares (fsdp) x tp 2: one pack per share and step = one process
-    accumulating 2 packs."""
-    assert_same_training(runs / "mesh", runs / "one-accum")
+@pytest.mark.parametrize("run", ["mesh", "hsdp"])
+def test_fsdp_by_tensor_parallel_mesh_trains_like_one_process(runs, run):
+    """4 ranks as 2 data shares x tp 2 (``mesh``: fsdp over the 2 shares; ``hsdp``: 2
+    replicas of a shard group of 1, each split by tp 2: a 3-D mesh): one pack per share and
+    step = one process accumulating 2 packs."""
+    assert_same_training(runs / run, runs / "one-accum")
 
 
 def test_tp2_checkpoint_resumes_at_tp1(runs):
