@@ -35,8 +35,8 @@ def test_the_dit_demo_draws_what_it_is_told(demo_dit_run):
     score = score_demo_checkpoint(demo_dit_run, images_per_prompt=4)
     assert score.num_images == 4 * len(DEMO_COLORS) * len(DEMO_SHAPES)
     print(f"demo-dit: {score.as_dict()}")
-    # Measured (72 images each, `impasto train` with 2 threads): seed 0 colour 0.972, shape
-    # 0.944; seed 1 colour 1.000, shape 0.944 (docs/dit.md). The bars: colour >= 0.95,
+    # Measured (72 images each, two seeds at once, one thread each): seed 0 colour 0.986, shape
+    # 0.917; seed 1 colour 1.000, shape 0.944 (docs/dit.md). The bars: colour >= 0.95,
     # shape >= 0.90.
     assert score.color_accuracy >= 0.95
     assert score.shape_accuracy >= 0.90
