@@ -9,6 +9,7 @@ dense run's images are 64 x 64 (16 tokens: each rank holds 8). Validation sample
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,11 @@ SAMPLE = {"every_steps": 3, "prompts": ["a red circle"], "num_steps": 2, "resolu
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """``tp2`` / ``tp2-llama``: 2 ranks, one tensor-parallel group (``tp2-llama`` with
-    activation checkpointing of every block); ``mesh``: 4 ranks, 2 data
-    shares x tp 2 (fsdp, and hsdp on a 3-D mesh); ``resume``: 3 steps at tp 2, then 2 more at tp 1 in one process; ``one-*``:
-    the one-process references (``one-accum``: 2 packs per step, as 2 data shares take)."""
+    """``tp2`` / ``tp2-llama``: 2 ranks, one tensor-parallel group (``tp2-llama``: hsdp, so a
+    3-D mesh of replicate x shard x tp, with activation checkpointing of every block);
+    ``mesh``: 4 ranks, 2 data shares (fsdp) x tp 2; ``resume``: ``tp2``'s run, continued from
+    its step 3 at tp 1 in one process to step 5; ``one-*``: the one-process references
+    (``one-accum``: 2 packs per step, as 2 data shares take)."""
     tmp = tmp_path_factory.mktemp("tensor-parallel")
     data = tmp / "data"
     write_demo_dataset(data, 48, 64, seed=1, sizes=SIZES)
@@ -85,21 +87,19 @@ def runs(tmp_path_factory) -> Path:
     def config(name, strategy, tp=1, steps=3, accum=1, **sections):
         return raw_config(data, out / name, strategy, tp, steps, accum, **sections)
 
+    hsdp = {"shard_size": 2}  # (1 replica, 1 shard, 2 tp)
     launch_plan(tmp, [
         (config("tp2", "fsdp", 2, sample=SAMPLE), False),
-        (config("tp2-llama", "fsdp", 2, memory=CHECKPOINTED, **LLAMA), False),
-        (config("resume", "fsdp", 2), False),
+        (config("tp2-llama", "hsdp", 2, memory=CHECKPOINTED, parallel=hsdp, **LLAMA), False),
     ])  # fmt: skip
-    launch_plan(tmp, [
-        (config("mesh", "fsdp", 2), False),
-        (config("hsdp", "hsdp", 2, parallel={"shard_size": 2}), False),
-    ], nproc=4)  # fmt: skip
+    launch_plan(tmp, [(config("mesh", "fsdp", 2), False)], nproc=4)
+    shutil.copytree(out / "tp2", out / "resume")
     in_process(
         (config("one", "none", sample=SAMPLE), False),
         (config("one-llama", "none", **LLAMA), False),
         (config("one-accum", "none", accum=2), False),
-        (config("one-5", "none", steps=5), False),
-        (config("resume", "fsdp", steps=5), True),
+        (config("one-5", "none", steps=5, sample=SAMPLE), False),
+        (config("resume", "fsdp", steps=5, sample=SAMPLE), True),
     )
     return out
 
@@ -124,12 +124,10 @@ def test_validation_samples_match_one_process(runs):
         assert difference.max() <= 1  # rounding of float-equal pixels
 
 
-@pytest.mark.parametrize("run", ["mesh", "hsdp"])
-def test_fsdp_by_tensor_parallel_mesh_trains_like_one_process(runs, run):
-    """4 ranks as 2 data shares x tp 2 (``mesh``: fsdp over the 2 shares; ``hsdp``: 2
-    replicas of a shard group of 1, each split by tp 2: a 3-D mesh): one pack per share and
-    step = one process accumulating 2 packs."""
-    assert_same_training(runs / run, runs / "one-accum")
+def test_fsdp_by_tensor_parallel_mesh_trains_like_one_process(runs):
+    """4 ranks as 2 data shares (fsdp shards the split weights over them) x tp 2: one pack per
+    share and step = one process accumulating 2 packs."""
+    assert_same_training(runs / "mesh", runs / "one-accum")
 
 
 def test_tp2_checkpoint_resumes_at_tp1(runs):

@@ -93,7 +93,11 @@ stage_tests() {
     # The tests that need CUDA skip on a CPU; these files hold them (and their CPU twins).
     local files
     files=$(grep -l "cuda.is_available" "$REPO"/tests/test_*.py | tr '\n' ' ')
-    (cd "$REPO" && "$PY" -m pytest -q -rs -p no:cacheprovider $files) 2>&1 | tee "$WORK/tests.txt"
+    # A dry run checks the stage in one process (the suite running it has the cores busy).
+    local workers=auto
+    [[ "$DRY_RUN" == 1 ]] && workers=0
+    (cd "$REPO" && "$PY" -m pytest -q -rs -p no:cacheprovider -n "$workers" $files) 2>&1 \
+        | tee "$WORK/tests.txt"
     local status=${PIPESTATUS[0]}
     "$PY" - "$WORK/tests.txt" "$status" > "$WORK/tests.json" <<'PYEOF'
 import json, sys
