@@ -135,10 +135,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# `data demo` options of one kind of dataset only (dest: flag); unset ones take the API default.
+DEMO_IMAGE_OPTIONS = {"num_images": "--num-images"}
+DEMO_VIDEO_OPTIONS = {
+    "num_clips": "--num-clips",
+    "frames": "--frames",
+    "fmt": "--format",
+    "held_out": "--held-out",
+}
+
+
 def cmd_data_demo(args: argparse.Namespace) -> int:
+    own, other = (
+        (DEMO_VIDEO_OPTIONS, DEMO_IMAGE_OPTIONS)
+        if args.video
+        else (DEMO_IMAGE_OPTIONS, DEMO_VIDEO_OPTIONS)
+    )
+    stray = [flag for dest, flag in other.items() if getattr(args, dest) is not None]
+    if stray:
+        where = "not with" if args.video else "only with"
+        raise ValueError(f"data demo: {', '.join(stray)}: {where} --video")
+    options = {dest: getattr(args, dest) for dest in own if getattr(args, dest) is not None}
+    if args.video:
+        from impasto.data.demo_video import write_demo_video_dataset
+
+        count = write_demo_video_dataset(
+            Path(args.out_dir), size=args.size, seed=args.seed, **options
+        )
+        print(f"impasto: wrote {count} clips with captions to {args.out_dir}")
+        return 0
     from impasto.data.demo import write_demo_dataset
 
-    count = write_demo_dataset(Path(args.out_dir), args.num_images, args.size, seed=args.seed)
+    count = write_demo_dataset(Path(args.out_dir), size=args.size, seed=args.seed, **options)
     print(f"impasto: wrote {count} images with captions to {args.out_dir}")
     return 0
 
@@ -222,9 +250,26 @@ def _add_data(sub: Subcommands) -> None:
     )
     demo = data.add_parser("demo", help="write the built-in demo dataset (coloured shapes)")
     demo.add_argument("out_dir")
-    demo.add_argument("--num-images", type=int, default=16)
-    demo.add_argument("--size", type=int, default=64)
+    demo.add_argument("--num-images", type=int, help="images to write (default 16)")
+    demo.add_argument("--size", type=int, default=64, help="side in pixels (default 64)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--video", action="store_true", help="write clips of moving shapes (docs/video.md)"
+    )
+    demo.add_argument("--num-clips", type=int, help="with --video: clips to write (default 16)")
+    demo.add_argument("--frames", type=int, help="with --video: frames per clip, 9-17 (default 9)")
+    demo.add_argument(
+        "--format",
+        dest="fmt",
+        metavar="{frames,mp4}",
+        help="with --video: a folder of PNGs per clip (default, lossless) or an H.264 .mp4",
+    )
+    demo.add_argument(
+        "--held-out",
+        action="store_true",
+        default=None,
+        help="with --video: clips of the combinations training never shows",
+    )
     demo.set_defaults(func=cmd_data_demo)
     preview = data.add_parser(
         "preview", help="a contact sheet of the first training examples, as the model sees them"

@@ -170,13 +170,7 @@ def write_demo_dataset(
             raise ValueError(
                 f"demo: sides must be at least {MIN_DEMO_SIZE} pixels, got {height}x{width}"
             )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"demo: {out_dir} is a file; pick a folder path for the demo dataset")
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        raise ValueError(
-            f"demo: {out_dir} already exists and is not empty; pick another folder or delete it"
-        )
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_empty_dir(out_dir)
     for index in range(num_images):
         height, width = sizes[index % len(sizes)]
         spec = demo_spec(index, seed, height, width)
@@ -184,3 +178,15 @@ def write_demo_dataset(
         render_demo_image(spec, height, width).save(stem.with_suffix(".png"), format="PNG")
         stem.with_suffix(".txt").write_text(spec.caption + "\n", encoding="utf-8")
     return num_images
+
+
+def make_empty_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` for a generated dataset; refuse a file or a non-empty folder, so a
+    dataset is never overwritten or mixed with another."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"demo: {out_dir} is a file; pick a folder path for the demo dataset")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ValueError(
+            f"demo: {out_dir} already exists and is not empty; pick another folder or delete it"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)

@@ -60,12 +60,19 @@ def _shape_from_fill(fill_ratio: float) -> str:
     return "triangle"
 
 
-def read_demo_image(image: np.ndarray) -> DemoReading:
-    """Classify an ``[H, W, 3]`` uint8 (or 0..255 float) RGB image of the demo kind."""
+def foreground_mask(image: np.ndarray) -> np.ndarray:
+    """``[H, W]`` bool: the pixels of an ``[H, W, 3]`` 0..255 RGB image farther than
+    ``FOREGROUND_DISTANCE`` from the background, the median colour of its border."""
     pixels = np.asarray(image, dtype=np.float64)
     border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
     background = np.median(border, axis=0)
-    mask = np.linalg.norm(pixels - background, axis=-1) > FOREGROUND_DISTANCE
+    return np.linalg.norm(pixels - background, axis=-1) > FOREGROUND_DISTANCE
+
+
+def read_demo_image(image: np.ndarray) -> DemoReading:
+    """Classify an ``[H, W, 3]`` uint8 (or 0..255 float) RGB image of the demo kind."""
+    pixels = np.asarray(image, dtype=np.float64)
+    mask = foreground_mask(pixels)
     if mask.sum() < MIN_FOREGROUND_PIXELS:
         return DemoReading(None, None, 0.0)
     color = _nearest_color(np.median(pixels[mask], axis=0))
