@@ -120,8 +120,22 @@ bench() {  # bench NAME RESOLUTION BATCH [extra args]
 print(format_report(json.load(open(sys.argv[1]))))" "$WORK/$name.json"
 }
 
+# A dry run runs some stages with the very arguments of an earlier one (the tiny model at 64²):
+# it reuses that stage's results instead of timing the same command twice.
+dry_twin() {  # dry_twin NAME TWIN: true (and NAME's results are TWIN's) in a dry run after TWIN
+    [[ "$DRY_RUN" == 1 && -f "$WORK/$2.json" ]] || return 1
+    cp "$WORK/$2.json" "$WORK/$1.json"
+    "$PY" -c "import json, sys; from impasto.bench import format_report; \
+print(format_report(json.load(open(sys.argv[1]))))" "$WORK/$1.json"
+}
+
 stage_sdxl_512() { bench sdxl-512 "$RES_LOW" "$BATCH_512" --variants $VARIANTS; }
-stage_sdxl_1024() { bench sdxl-1024 "$RES_HIGH" "$BATCH_1024" --variants $VARIANTS; }
+stage_sdxl_1024() {
+    if [[ "$RES_HIGH/$BATCH_1024" == "$RES_LOW/$BATCH_512" ]] && dry_twin sdxl-1024 sdxl-512; then
+        return 0
+    fi
+    bench sdxl-1024 "$RES_HIGH" "$BATCH_1024" --variants $VARIANTS
+}
 stage_sdxl_1024_compile() {
     bench sdxl-1024-compile "$RES_HIGH" "$BATCH_1024" --variants $COMPILE_VARIANTS
 }
@@ -142,7 +156,12 @@ print(format_report(json.load(open(sys.argv[1]))))" "$WORK/$name.json"
 stage_dit_tiny() {
     if [[ "$DRY_RUN" == 1 ]]; then dit_bench dit-tiny dit-tiny 64 3; else dit_bench dit-tiny dit-tiny 256 12; fi
 }
-stage_dit_xl() { dit_bench dit-xl "$DIT_XL" "$DIT_RES" "$DIT_BATCH"; }
+stage_dit_xl() {
+    if [[ "$DIT_XL/$DIT_RES/$DIT_BATCH" == "dit-tiny/64/3" ]] && dry_twin dit-xl dit-tiny; then
+        return 0
+    fi
+    dit_bench dit-xl "$DIT_XL" "$DIT_RES" "$DIT_BATCH"
+}
 
 stage_draftp() {
     local run="$WORK/draftp-run" size="$RES_HIGH"
