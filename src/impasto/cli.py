@@ -135,39 +135,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-# `data demo` options of one kind of dataset only (dest: flag); unset ones take the API default.
-DEMO_IMAGE_OPTIONS = {"num_images": "--num-images"}
-DEMO_VIDEO_OPTIONS = {
-    "num_clips": "--num-clips",
-    "frames": "--frames",
-    "fmt": "--format",
-    "held_out": "--held-out",
-}
-
-
 def cmd_data_demo(args: argparse.Namespace) -> int:
-    own, other = (
-        (DEMO_VIDEO_OPTIONS, DEMO_IMAGE_OPTIONS)
-        if args.video
-        else (DEMO_IMAGE_OPTIONS, DEMO_VIDEO_OPTIONS)
-    )
-    stray = [flag for dest, flag in other.items() if getattr(args, dest) is not None]
-    if stray:
-        where = "not with" if args.video else "only with"
-        raise ValueError(f"data demo: {', '.join(stray)}: {where} --video")
-    options = {dest: getattr(args, dest) for dest in own if getattr(args, dest) is not None}
-    if args.video:
-        from impasto.data.demo_video import write_demo_video_dataset
+    from impasto.data.demo_datasets import IMAGE_OPTIONS, VIDEO_OPTIONS, write_demo
 
-        count = write_demo_video_dataset(
-            Path(args.out_dir), size=args.size, seed=args.seed, **options
-        )
-        print(f"impasto: wrote {count} clips with captions to {args.out_dir}")
-        return 0
-    from impasto.data.demo import write_demo_dataset
-
-    count = write_demo_dataset(Path(args.out_dir), size=args.size, seed=args.seed, **options)
-    print(f"impasto: wrote {count} images with captions to {args.out_dir}")
+    given = {key: getattr(args, key) for key in (*IMAGE_OPTIONS, *VIDEO_OPTIONS)}
+    print(write_demo(Path(args.out_dir), args.video, args.size, args.seed, **given))
     return 0
 
 

@@ -491,8 +491,7 @@ class Trainer:
     def check_bad_fraction(self) -> None:
         """After a full epoch's worth of images (this rank's share), stop if too many were
         unusable."""
-        state, limit = self.state, self.config.data.max_bad_fraction
-        shares = self.group.data_world
+        state, limit, shares = self.state, self.config.data.max_bad_fraction, self.group.data_world
         bad = state.images_bad + self.unsynced.bad * shares  # an estimate between syncs
         attempted = state.images_attempted + self.unsynced.attempted * shares
         fraction = bad / max(1, attempted)
