@@ -22,6 +22,8 @@ modulation vectors, whole on every rank, get their gradients summed by :class:`S
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -122,8 +124,6 @@ def has_parameters(module: nn.Module) -> bool:
 def positional_arguments(module: nn.Module) -> int:
     """How many positional arguments the module's callers pass: its forward's parameters
     before the first with a default (``PrepareModuleInput`` wants a layout for each)."""
-    import inspect
-
     parameters = inspect.signature(module.forward).parameters.values()
     return sum(
         1

@@ -254,7 +254,6 @@ class DiT(nn.Module):
         ``[B, C, h, w]``. A list of groups of latents is a pack (:meth:`forward_packed`,
         whose arguments ``capacity`` and ``kernel`` are): called through ``forward``, so that
         what wraps the module (FSDP, DDP, hooks) sees both kinds of call."""
-        text = self._read_text(text)
         if isinstance(x, list):
             return self.forward_packed(x, timesteps, text, pooled, capacity, kernel)
         patch = self.config.patch_size
@@ -262,6 +261,7 @@ class DiT(nn.Module):
         timesteps = timesteps.reshape(-1).expand(x.shape[0])  # one time for all, as a UNet takes
         if (rows * cols) % self.token_multiple:
             return self.forward_packed([x], timesteps, text, pooled)[0]
+        text = self._read_text(text)
         positions = grid_positions(rows, cols).to(x.device)[None]
         out = self._trunk(
             patchify(x, patch), positions, timesteps, text, pooled, dense, dense, None
