@@ -18,6 +18,7 @@ from impasto.config.section import (
     Resolution,
     Section,
 )
+from impasto.config.video import VideoConfig
 
 
 class SubfolderConfig(Section):
@@ -158,6 +159,11 @@ class DataConfig(Section):
         le=0.5,
         description="a seeded fraction of the images held out of training for the validation "
         "loss (eval.every_steps); 0: none",
+    )
+    video: VideoConfig | None = Field(
+        None,
+        description="train on clips: videos, frame folders and images (one-frame clips) from "
+        "the sources, cut as this section says (docs/video.md); null: images only",
     )
 
     @model_validator(mode="after")

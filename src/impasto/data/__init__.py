@@ -48,6 +48,7 @@ from impasto.data.sampler import (
 from impasto.data.seeding import derive_seed
 from impasto.data.skips import Skipped
 from impasto.data.transforms import CROP_MODES, pil_to_tensor, resize_and_crop
+from impasto.data.video.sampling import ClipSampling
 
 __all__ = [
     "CROP_MODES",
@@ -159,6 +160,8 @@ def build_dataloader(
     caption_variants: int | None = None,
     tokens_of: Sequence[int | None] | None = None,
     pack_tokens: int | None = None,
+    video: ClipSampling | None = None,
+    sample_keys: Sequence[tuple[int, ...] | None] | None = None,
 ) -> tuple[DataLoader, ResumableBatchSampler]:
     """A shuffling, exactly resumable loader of :class:`Batch` (empty when all were skipped).
 
@@ -188,6 +191,9 @@ def build_dataloader(
         cache: read latents and/or text encodings from the disk cache (:mod:`.cache`).
         caption_variants: see :class:`ImageCaptionDataset` (None: the cache's setting).
         tokens_of, pack_tokens: batches are packs (see :func:`training_sampler`).
+        video: records are clips and images, cut as this says (``data.video``).
+        sample_keys: what batches group by, over ``bucket_of`` (a video run: each sample's
+            ``(frames, height, width)``); ``None`` entries are left out.
 
     Returns:
         ``(loader, sampler)``.
@@ -206,9 +212,11 @@ def build_dataloader(
         loss_weights,
         cache,
         caption_variants,
+        video,
     )
+    keys = sample_keys if sample_keys is not None else bucket_of
     sampler = training_sampler(
-        len(dataset), batch_size, seed, start_position, bucket_of, rank, world_size,
+        len(dataset), batch_size, seed, start_position, keys, rank, world_size,
         tokens_of, pack_tokens,
     )  # fmt: skip
     loader = DataLoader(

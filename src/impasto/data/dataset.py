@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch.utils.data import Dataset
 
-from impasto.data.buckets import ImageTransform, apply_bucket_transform
+from impasto.data.buckets import BucketCrop, ImageTransform, apply_bucket_transform
 from impasto.data.cache import CachedEncodings
 from impasto.data.captions import CaptionTools
 from impasto.data.folder import ImageRecord
@@ -22,6 +22,9 @@ from impasto.data.sampler import BatchPosition
 from impasto.data.seeding import derive_seed
 from impasto.data.skips import Reencoded, Skipped, error_reason, text_embedding_name
 from impasto.data.transforms import IMAGE_LOAD_ERRORS, get_crop_offsets
+from impasto.data.video.records import clip_frame_indices, clip_frames, stack_frames
+from impasto.data.video.frames import UnreadableClip
+from impasto.data.video.sampling import ClipSampling
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ class Example:
         prompt_embeds, pooled_prompt_embeds: the caption's encoding from the cache, or None.
         reencoded: the caption's cached encoding was damaged (it is encoded on the fly, as one
             that is not cached), or None.
+        clip_start: a video run's sample: the first decoded frame of its clip (-1 for an
+            image, whose ``pixel_values`` are one frame ``[3, 1, H, W]``); None in an image run.
     """
 
     pixel_values: torch.Tensor | None
@@ -61,6 +66,7 @@ class Example:
     prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None
     reencoded: Reencoded | None = None
+    clip_start: int | None = None
 
 
 class ImageCaptionDataset(Dataset):
@@ -110,6 +116,7 @@ class ImageCaptionDataset(Dataset):
         loss_weights: Sequence[float] | None = None,
         cache: CachedEncodings | None = None,
         caption_variants: int | None = None,
+        video: ClipSampling | None = None,
     ) -> None:
         if not records:
             raise ValueError("data: the record list is empty; point the dataset at some images")
@@ -134,6 +141,7 @@ class ImageCaptionDataset(Dataset):
             text_cached = cache is not None and cache.text_fingerprint is not None
             caption_variants = cache.caption_variants if text_cached else 0
         self.caption_variants = caption_variants if self.caption_tools.random else 0
+        self.video = video
 
     def __len__(self) -> int:
         return len(self.records)
@@ -144,7 +152,7 @@ class ImageCaptionDataset(Dataset):
         record = self.records[index]
         generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index))
         bucket = None if self.bucket_of is None else self.bucket_of[index]
-        pixel_values, posterior = None, None
+        pixel_values, posterior, clip_start = None, None, None
         if self.cache is not None and self.cache.vae_fingerprint is not None:
             image_id = self.cache.image_ids[index]
             if image_id is None:
@@ -153,6 +161,11 @@ class ImageCaptionDataset(Dataset):
             posterior = self.cache.posterior(image_id, params)
             if isinstance(posterior, str):
                 return self.skip(index, posterior)
+        elif record.clip is not None:
+            try:
+                params, pixel_values, clip_start = self.load_clip(record, epoch, bucket, generator)
+            except UnreadableClip as error:
+                return self.skip(index, error.reason)
         else:
             try:
                 with record.open_image() as image:
@@ -162,6 +175,8 @@ class ImageCaptionDataset(Dataset):
                     pixel_values = apply_bucket_transform(image, params)
             except IMAGE_LOAD_ERRORS as error:
                 return self.skip(index, f"unreadable image: {error_reason(error)}")
+            if self.video is not None:  # an image in a video run: a one-frame clip
+                pixel_values, clip_start = pixel_values[:, None], -1
         caption = self.caption(record.caption, epoch, index, generator)
         prompt, reencoded = None, None
         if self.cache is not None and self.cache.text_fingerprint is not None:
@@ -183,7 +198,20 @@ class ImageCaptionDataset(Dataset):
             prompt_embeds=None if prompt is None else prompt[0],
             pooled_prompt_embeds=None if prompt is None else prompt[1],
             reencoded=reencoded,
+            clip_start=clip_start,
         )
+
+    def load_clip(
+        self, record: ImageRecord, epoch: int, bucket: tuple[int, int] | None,
+        generator: torch.Generator,
+    ) -> tuple[BucketCrop, torch.Tensor, int]:  # fmt: skip
+        """A clip record's transform (drawn as an image's: one for every frame), its frames
+        ``[3, T, H, W]`` for ``epoch``, and its first frame's index."""
+        info = record.clip.info
+        params = self.transform.params(info.height, info.width, bucket, generator)
+        indices = clip_frame_indices(record, self.video, self.seed, epoch)
+        frames = [apply_bucket_transform(frame, params) for frame in clip_frames(record, indices)]
+        return params, stack_frames(frames), indices[0]
 
     def skip(self, index: int, reason: str) -> Skipped:
         name = str(self.records[index].image_path)
@@ -240,6 +268,8 @@ class Batch:
         reencoded: the cached text embeddings of this batch's captions that were damaged, so
             encoded on the fly (their examples are in the batch; the data stream keeps the
             ones it had not met before, like ``skipped``).
+        clip_starts: a video run's batch (``pixel_values`` ``[B, 3, T, H, W]``): int64 ``[B]``,
+            each clip's first decoded frame (-1 for an image); None in an image run.
     """
 
     pixel_values: torch.Tensor | None
@@ -259,6 +289,7 @@ class Batch:
     skipped: tuple[Skipped, ...] = ()
     reencoded: tuple[Reencoded, ...] = ()
     groups: tuple[Batch, ...] | None = None
+    clip_starts: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -318,7 +349,7 @@ def collate_examples(examples: Sequence[Example | Skipped]) -> Batch:
         return Batch(None, [], empty, empty, empty, torch.zeros(0, dtype=torch.long),
                      num_bad=len(skipped), skipped=skipped)  # fmt: skip
     target_sizes = {example.target_size for example in good}
-    if len(target_sizes) > 1:  # a pack (data.pack_tokens): one sub-batch per shape
+    if len({sample_shape(example) for example in good}) > 1:  # a pack: a sub-batch per shape
         return _collate_groups(good, skipped)
     positions = {example.position for example in good}
     assert len(positions) == 1, f"examples from different batches collated together: {positions}"
@@ -338,15 +369,29 @@ def collate_examples(examples: Sequence[Example | Skipped]) -> Batch:
         pooled_prompt_embeds=_stack(good, "pooled_prompt_embeds"),
         skipped=skipped,
         reencoded=tuple(example.reencoded for example in good if example.reencoded is not None),
+        clip_starts=_clip_starts(good),
     )
+
+
+def sample_shape(example: Example) -> tuple[object, ...]:
+    """What a batch of one shape shares: the target size, and a clip's frames."""
+    frames = None if example.pixel_values is None else example.pixel_values.shape[1:-2]
+    if example.latent_mean is not None:
+        frames = example.latent_mean.shape[1:-2]
+    return example.target_size, tuple(frames or ())
+
+
+def _clip_starts(examples: Sequence[Example]) -> torch.Tensor | None:
+    starts = [example.clip_start for example in examples]
+    return None if starts[0] is None else torch.tensor(starts, dtype=torch.long)
 
 
 def _collate_groups(good: list[Example], skipped: tuple[Skipped, ...]) -> Batch:
     """A batch of several image sizes: ``groups`` holds one batch per size (in order of first
     appearance); the batch itself lists every row in that order, without image tensors."""
-    by_size: dict[tuple[int, int] | None, list[Example]] = {}
+    by_size: dict[tuple[object, ...], list[Example]] = {}
     for example in good:
-        by_size.setdefault(example.target_size, []).append(example)
+        by_size.setdefault(sample_shape(example), []).append(example)
     groups = tuple(collate_examples(members) for members in by_size.values())
     rows = [example for members in by_size.values() for example in members]
     bare = [

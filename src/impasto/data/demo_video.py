@@ -14,6 +14,7 @@ words apart, not the combinations by heart.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,6 +202,7 @@ def write_demo_video_dataset(
     seed: int = 0,
     fmt: str = "frames",
     held_out: bool = False,
+    variants: Sequence[tuple[int, int]] | None = None,
 ) -> int:
     """Write ``clip-00000`` + ``clip-00000.txt`` ... into ``out_dir``.
 
@@ -215,6 +217,9 @@ def write_demo_video_dataset(
             demo's judges read colours, and a lossy codec shifts them. ``"mp4"``: H.264,
             yuv420p, 8 fps, through PyAV (``pip install impasto[video]``); needs an even size.
         held_out: write clips of the held-out combinations instead of the training ones.
+        variants: ``(size, frames)`` of the clips in turn (clip ``i`` takes variant
+            ``i % len(variants)``), over ``size`` and ``frames``: a dataset of several clip
+            shapes for buckets and packing.
 
     Returns:
         The number of clips written.
@@ -222,10 +227,13 @@ def write_demo_video_dataset(
     out_dir = Path(out_dir)
     if num_clips <= 0:
         raise ValueError(f"demo video: num_clips must be positive, got {num_clips}")
-    check_clip_geometry(size, frames)
-    check_clip_format(fmt, size)
+    variants = list(variants or [(size, frames)])
+    for variant_size, variant_frames in variants:
+        check_clip_geometry(variant_size, variant_frames)
+        check_clip_format(fmt, variant_size)
     make_empty_dir(out_dir)
     for index in range(num_clips):
+        size, frames = variants[index % len(variants)]
         spec = demo_clip_spec(index, seed, size, frames, held_out)
         stem = out_dir / f"clip-{index:05d}"
         CLIP_WRITERS[fmt](render_demo_clip(spec, size), stem)

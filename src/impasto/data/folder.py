@@ -21,11 +21,14 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from PIL import Image
 
 from impasto.data.skips import SCANNED, Skipped, UnreadableSource, error_reason
+
+if TYPE_CHECKING:
+    from impasto.data.video.records import ClipSlot
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,8 @@ class ImageRecord:
         blob: reads the image bytes when they are not the file ``image_path``.
         size: ``(height, width)`` when the source already knows it (saves opening the image
             to place it in a bucket).
+        clip: a video run's video or frame folder (:mod:`impasto.data.video.records`): its
+            probe and clip slot; None for an image (a one-frame sample in a video run).
     """
 
     image_path: Path | str
@@ -62,6 +67,7 @@ class ImageRecord:
     weight: float = 1.0
     blob: ImageBlob | None = None
     size: tuple[int, int] | None = None
+    clip: ClipSlot | None = None
 
     def read_bytes(self) -> bytes:
         """The encoded image file."""

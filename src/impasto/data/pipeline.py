@@ -35,6 +35,7 @@ from impasto.data.records import (
     shard_index_dir,
 )
 from impasto.data.sampler import ResumableBatchSampler
+from impasto.data.video.records import clip_sampling, expand_clip_slots, frames_of
 from impasto.data.skips import BAD_DATA_FILE, SCANNED, BadDataLog, Skipped, distinct
 from impasto.distributed import RunGroup, process_group
 from impasto.faults import writing
@@ -195,6 +196,7 @@ class DataStream:
         known_bad: set[str] | None = None,
         caption_variants: int | None = None,
         tokens_of: list[int | None] | None = None,
+        sample_keys: list[tuple[int, int, int] | None] | None = None,
     ) -> None:
         data = config.data
         self.loader, self.sampler = build_dataloader(
@@ -215,6 +217,8 @@ class DataStream:
             caption_variants=caption_variants,
             tokens_of=tokens_of,
             pack_tokens=data.pack_tokens if tokens_of is not None else None,
+            video=None if data.video is None else clip_sampling(data.video),
+            sample_keys=sample_keys,
         )
         self.known_bad = set(known_bad or ())
         self.known_reencoded: set[str] = set()
@@ -366,13 +370,17 @@ def prepare_run_data(
     image_ids, encodings = None, None
     if cached:
         records, image_ids = identify_images(config, records, rank, world)
+    too_short: list[Skipped] = []
+    if config.data.video is not None:  # each video as its clips (data.video)
+        records, too_short = expand_clip_slots(records, clip_sampling(config.data.video))
     bucket_of, unreadable = bucket_placement(config, records, run_dir if main else None, main)
     unplaced = {item.name for item in unreadable}
     usable = [record for record in records if str(record.image_path) not in unplaced]
-    skipped = scan.skipped + unreadable
+    skipped = scan.skipped + too_short + unreadable
     left_out = report_left_out(config, bad_data, skipped, usable + scan.held_out, main)
-    tokens_of = pack_sizes(config, backbone, len(records), bucket_of, main)
-    total = count_total_steps(config, len(records), bucket_of, shares, tokens_of)
+    tokens_of = pack_sizes(config, backbone, records, bucket_of, main)
+    sample_keys = clip_keys(config, records, bucket_of)
+    total = count_total_steps(config, len(records), sample_keys or bucket_of, shares, tokens_of)
     if cached:
         encodings, report = fill_cache(
             config, backbone, records, image_ids, bucket_of, autocast, precision, rank, world
@@ -387,7 +395,7 @@ def prepare_run_data(
         variants = config.cache.caption_variants  # the captions the text cache holds
     stream = DataStream(
         config, records, bucket_of, weights, encodings, share, shares, known_bad, variants,
-        tokens_of,
+        tokens_of, sample_keys,
     )  # fmt: skip
     sets = [] if pixels_only else held_out_sets(config, scan.held_out, main)
     return RunData(
@@ -395,28 +403,55 @@ def prepare_run_data(
     )
 
 
+def sample_shapes(
+    config: Any, records: Sequence[ImageRecord], bucket_of: list[Bucket | None] | None
+) -> list[tuple[int, int, int] | None]:
+    """Each sample's ``(frames, height, width)``: its bucket (or the ``data.resolution``
+    square), with its clip's frames (1 for an image); None where no bucket takes it."""
+    square = (config.data.resolution, config.data.resolution)
+    sizes = bucket_of if bucket_of is not None else [square] * len(records)
+    frames = frames_of(records) if config.data.video is not None else [1] * len(records)
+    return [None if size is None else (count, *size) for count, size in zip(frames, sizes, strict=True)]
+
+
+def clip_keys(
+    config: Any, records: Sequence[ImageRecord], bucket_of: list[Bucket | None] | None
+) -> list[tuple[int, int, int] | None] | None:
+    """What batches of a video run group by: each sample's (frames, height, width), so a batch
+    holds one shape (:func:`sample_shapes`); None in an image run (its buckets do)."""
+    return None if config.data.video is None else sample_shapes(config, records, bucket_of)
+
+
 def pack_sizes(
-    config: Any, backbone: Any, num_images: int, bucket_of: list[Bucket | None] | None,
-    main: bool,
+    config: Any, backbone: Any, records: Sequence[ImageRecord],
+    bucket_of: list[Bucket | None] | None, main: bool,
 ) -> list[int | None] | None:  # fmt: skip
-    """Each image's tokens in the backbone's sequence (``Backbone.sequence_length`` of its
-    bucket, or the ``data.resolution`` square) when ``data.pack_tokens`` packs batches, else
-    None; rank 0 reports the packs' layout."""
+    """Each sample's tokens in the backbone's sequence (``Backbone.sequence_length`` of its
+    bucket, or the ``data.resolution`` square, and its frames) when ``data.pack_tokens`` packs
+    batches, else None; rank 0 reports the packs' layout."""
     capacity = config.data.pack_tokens
     if capacity is None or backbone is None:
         return None
-    square = (config.data.resolution, config.data.resolution)
-    sizes = bucket_of if bucket_of is not None else [square] * num_images
-    lengths = {size: backbone.sequence_length(*size) for size in set(sizes) if size is not None}
-    tokens_of = [None if size is None else lengths[size] for size in sizes]
+    shapes = sample_shapes(config, records, bucket_of)
+    lengths = {
+        shape: backbone.sequence_length(shape[1], shape[2], frames=shape[0])
+        for shape in set(shapes) if shape is not None
+    }  # fmt: skip
+    tokens_of = [None if shape is None else lengths[shape] for shape in shapes]
     if main:
         layout = pack_layout(tokens_of, capacity)
         print(
             f"impasto: packing: {layout.num_packs} packs of {capacity} tokens per epoch, "
-            f"{layout.utilisation:.1%} of their tokens hold images "
-            f"({len(lengths)} shapes: {', '.join(f'{h}x{w}' for h, w in sorted(lengths))})"
+            f"{layout.utilisation:.1%} of their tokens hold samples "
+            f"({len(lengths)} shapes: {', '.join(shape_name(s) for s in sorted(lengths))})"
         )
     return tokens_of
+
+
+def shape_name(shape: tuple[int, int, int]) -> str:
+    """``(1, 48, 80)`` → ``48x80``; ``(17, 64, 64)`` → ``17x64x64`` (frames first)."""
+    frames, height, width = shape
+    return f"{height}x{width}" if frames == 1 else f"{frames}x{height}x{width}"
 
 
 def held_out_sets(config: Any, split: list[ImageRecord], main: bool = True) -> list[HeldOutSet]:

@@ -23,6 +23,7 @@ from impasto.data.holdout import ordered_images, record_identity, split_held_out
 from impasto.data.prompts import read_prompts
 from impasto.data.skips import Skipped, UnreadableSource, distinct
 from impasto.data.sources import hf_dataset_scan, parquet_scan, webdataset_scan
+from impasto.data.video.records import clip_reader
 from impasto.distributed import barrier
 
 NO_CAPTION = "no caption (left out by data.missing_captions: skip)"
@@ -73,11 +74,7 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
     """
     data = config.data
     if main and data.generate_demo and not Path(data.path).exists():
-        count = write_demo_dataset(
-            Path(data.path), data.demo_num_images, data.resolution, seed=config.train.seed,
-            sizes=data.demo_sizes,
-        )  # fmt: skip
-        print(f"impasto: wrote {count} demo images to {data.path}")
+        write_run_demo(config)
     barrier()
     if data.prompts is not None:
         prompts = read_prompts(data.prompts)
@@ -85,8 +82,9 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
         return Scan(prompts, groups={str(record.image_path): name for record in prompts})
     scan, unreadable, identities = Scan(), [], {}
     for source in data.source_list():
+        reader = SOURCE_READERS[source.source] if data.video is None else clip_reader(source.source)
         try:
-            found = SOURCE_READERS[source.source](source, shard_index_dir(config))
+            found = reader(source, shard_index_dir(config))
         except UnreadableSource as error:  # left out while another source has images
             unreadable.append(error)
             scan.skip(error.name, error.reason)
@@ -117,6 +115,29 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
             "or add images"
         )
     return Scan(records, distinct(scan.skipped), scan.groups, held_out)
+
+
+def write_run_demo(config: Any) -> None:
+    """``data.generate_demo``: the demo images at ``data.path`` (or with ``data.video``, the
+    demo clips: ``data.video.num_frames`` frames, or 9 .. num_frames in turn, at each side of
+    ``data.demo_sizes`` in turn)."""
+    data = config.data
+    if data.video is None:
+        count = write_demo_dataset(
+            Path(data.path), data.demo_num_images, data.resolution, seed=config.train.seed,
+            sizes=data.demo_sizes,
+        )  # fmt: skip
+        print(f"impasto: wrote {count} demo images to {data.path}")
+        return
+    from impasto.data.demo_video import write_demo_video_dataset
+
+    sides = [height for height, _ in data.demo_sizes or [(data.resolution, data.resolution)]]
+    frames = range(min(9, data.video.num_frames), data.video.num_frames + 1, 4)
+    variants = [(side, count) for count in frames for side in sides]
+    count = write_demo_video_dataset(
+        Path(data.path), data.demo_num_images, seed=config.train.seed, variants=variants
+    )
+    print(f"impasto: wrote {count} demo clips to {data.path}")
 
 
 def source_name(source: Any) -> str:
@@ -215,8 +236,10 @@ def read_eval_set(config: Any, eval_set: Any) -> list[ImageRecord]:
     ``data.missing_captions: skip``. A one-line error when the set cannot be read or holds no
     usable image."""
     where = f"eval.sets {eval_set.name} ({eval_set.path})"
+    video = config.data.video is not None
+    reader = clip_reader(eval_set.source) if video else SOURCE_READERS[eval_set.source]
     try:
-        scan = SOURCE_READERS[eval_set.source](eval_set, shard_index_dir(config))
+        scan = reader(eval_set, shard_index_dir(config))
     except UnreadableSource as error:
         raise ValueError(f"{where}: {error.reason}") from None
     except (ValueError, OSError) as error:

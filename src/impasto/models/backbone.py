@@ -132,9 +132,9 @@ class Backbone(Protocol):
         ``data.pack_tokens``): one sequence of ``capacity`` tokens where the family packs
         (attention stays inside each sample), else one forward per group."""
 
-    def sequence_length(self, height: int, width: int) -> int:
-        """Tokens (or latent positions) an H×W image takes in the denoiser's sequence: what a
-        pack of ``data.pack_tokens`` holds."""
+    def sequence_length(self, height: int, width: int, frames: int = 1) -> int:
+        """Tokens (or latent positions) an H×W image, or a clip of ``frames`` H×W frames,
+        takes in the denoiser's sequence: what a pack of ``data.pack_tokens`` holds."""
 
     def tensor_parallel_plan(self) -> TensorParallelPlan | None:
         """How the denoiser's blocks split over a tensor-parallel group (``parallel.tp``), or
@@ -189,7 +189,8 @@ class FamilySpec:
     the backbone's order), its presets, and the pydantic section of its options
     (``model.<family>``; None: it takes none), whether it reads ``model.text_encoder``, and
     the export formats it writes itself (``impasto export --format``: a writer of the rebuilt
-    backbone, :mod:`impasto.export.family`), and whether it splits for ``parallel.tp``."""
+    backbone, :mod:`impasto.export.family`), whether it splits for ``parallel.tp``, and
+    whether it trains on clips (``data.video``)."""
 
     parts: tuple[str, ...]
     presets: tuple[str, ...]
@@ -197,6 +198,7 @@ class FamilySpec:
     reads_text_encoder: bool = False  # model.text_encoder: text encoders from another folder
     exports: Mapping[str, FolderWriter] = field(default_factory=dict)  # format → its writer
     tensor_parallel: bool = False  # parallel.tp: its backbone has a TensorParallelPlan
+    video: bool = False  # data.video: its denoiser takes clips (a frame axis)
 
     def read_options(self, raw: dict[str, Any], family: str) -> BaseModel | None:
         """The validated ``model.<family>`` section (ValueError naming the key if it is bad)."""

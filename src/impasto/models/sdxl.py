@@ -192,8 +192,10 @@ class SDXLBackbone:
         """A UNet cannot pack: one forward per group."""
         return [self.forward(*group) for group in zip(x_ts, timesteps, conditions, strict=True)]
 
-    def sequence_length(self, height: int, width: int) -> int:
-        """Latent positions."""
+    def sequence_length(self, height: int, width: int, frames: int = 1) -> int:
+        """Latent positions (an image's: the UNet takes no clips)."""
+        if frames != 1:
+            raise ValueError("data.video: the sdxl family trains on images; remove data.video")
         _, rows, cols = self.latent_shape(height, width)
         return rows * cols
 

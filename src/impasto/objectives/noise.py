@@ -28,8 +28,9 @@ def offset_noise(
     recommends k ≈ 0.1; the offset noise is also the ε-target.
     """
     batch_size, channels = noise.shape[:2]
-    offset = torch.randn((batch_size, channels, 1, 1), generator=generator, device=generator.device)
-    scale = _strengths(strength, batch_size, generator, random_strength).view(-1, 1, 1, 1)
+    ones = (1,) * (noise.dim() - 2)  # [B, C, 1, 1] for images, [B, C, 1, 1, 1] for clips
+    offset = torch.randn((batch_size, channels, *ones), generator=generator, device=generator.device)
+    scale = _strengths(strength, batch_size, generator, random_strength).view(-1, 1, *ones)
     return noise + (scale * offset).to(noise.device, noise.dtype)
 
 

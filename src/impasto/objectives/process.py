@@ -16,6 +16,7 @@ caller branches on the kind; ``impasto.sampling.process`` is the sampling side, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -185,12 +186,16 @@ class VPProcess:
         return sigmas_from_alphas_cumprod(self.alphas_cumprod)[times]
 
 
-def flow_shift_at(shift: float, reference: int | None, image_size: tuple[int, int] | None) -> float:
-    """``shift`` at an (H, W) image, scaled by ``shift_for_size`` when ``reference`` is set."""
+def flow_shift_at(
+    shift: float, reference: int | None, image_size: tuple[int, ...] | None
+) -> float:
+    """``shift`` at an (H, W) image, scaled by ``shift_for_size`` when ``reference`` is set; a
+    clip's size is ``(latent frames, H, W)``: its frames count as more pixels, so the shift
+    grows with the sample's tokens (an image is one frame)."""
     if reference is not None and image_size is None:
         raise ValueError("flow_shift_resolution needs the image size to shift t")
-    height, width = image_size or (0, 0)
-    return shift_for_size(shift, height, width, reference)
+    *frames, height, width = image_size or (0, 0)
+    return shift_for_size(shift, height * math.prod(frames), width, reference)
 
 
 @dataclass(frozen=True, eq=False)

@@ -133,8 +133,10 @@ def generate_latents(
     flow_shift_resolution: int | None = None,
     callback: StepCallback | None = None,
     anneal: Annealing | None = None,
+    frames: int | None = None,
 ) -> Tensor:
-    """Sample VP latents ``[B, C, H/f, W/f]`` float32 on the model's device (not yet unscaled).
+    """Sample VP latents ``[B, C, H/f, W/f]`` float32 on the model's device (not yet unscaled);
+    with ``frames``, clips of that many frames: ``[B, C, t, H/f, W/f]``.
 
     Arguments are documented on :func:`generate`; ``callback(i, x, denoised)`` sees the
     sampler's state after step i (VE form; for flow x_t).
@@ -147,7 +149,8 @@ def generate_latents(
         raise ValueError(f"guidance_scale must be finite, got {guidance_scale}")
     if not 0.0 <= guidance_rescale <= 1.0:
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale}")
-    shape = backbone.latent_shape(height, width)
+    shape = backbone.latent_shape(height, width) if frames is None else (
+        backbone.latent_shape(height, width, frames=frames))
     negatives = _negative_prompts(negative_prompt, len(prompts))
     # Row j of the batch (prompt j // k, image j % k) starts from the noise of seed + j.
     prompts = [prompt for prompt in prompts for _ in range(num_images_per_prompt)]
@@ -165,6 +168,7 @@ def generate_latents(
             flow_shift_resolution=flow_shift_resolution,
             height=height,
             width=width,
+            frames=shape[1] if frames is not None else 1,
         )
     )
     forward = model_forward(backbone)
@@ -197,7 +201,8 @@ def generate_latents(
 
 
 def generate(backbone: Any, prompts: list[str], **options: Any) -> Tensor:
-    """Generate images: ``[B·k, 3, height, width]`` float32 on CPU in [0, 1], k per prompt.
+    """Generate images: ``[B·k, 3, height, width]`` float32 on CPU in [0, 1], k per prompt
+    (``frames=N``: clips ``[B·k, 3, N, height, width]``).
 
     ``options`` are the keyword arguments of :func:`generate_latents`.
 

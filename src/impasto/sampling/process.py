@@ -44,6 +44,7 @@ class SamplingRequest:
     flow_shift_resolution: int | None = None  # flow only: None, s at every size
     height: int = 64  # the image size in pixels (flow: scales the shift)
     width: int = 64
+    frames: int = 1  # latent frames of a clip (flow: its frames scale the shift as pixels do)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,8 @@ def flow_plan(request: SamplingRequest) -> SamplingPlan:
     """A rectified-flow model (SD3 convention): the shifted t ladder from x_1 = ε to t = 0."""
     sample = get_flow_sampler(request.sampler)
     shift = shift_for_size(
-        request.flow_shift, request.height, request.width, request.flow_shift_resolution
+        request.flow_shift, request.height * request.frames, request.width,
+        request.flow_shift_resolution,
     )
     timesteps, sigmas = flow_timesteps(request.num_steps, shift, request.alphas_cumprod.shape[0])
     return SamplingPlan(

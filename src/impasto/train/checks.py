@@ -51,8 +51,27 @@ def config_problems(config: Config) -> list[str]:
         *sample_problems(config.sample, config.objective),
         *method_problems(config),
         *compile_problems(config.memory),
+        *video_problems(config),
         *folder_problems(config),
     ]
+
+
+def video_problems(config: Config) -> list[str]:
+    """What a video run (``data.video``) cannot do yet, each with the way out."""
+    if config.data.video is None:
+        return []
+    problems = []
+    if config.cache.latents == "disk":
+        problems.append(
+            "cache.latents: disk does not hold clips yet; use cache.latents: memory (encoded "
+            "once per clip and kept in RAM) or none"
+        )
+    if config.objective.multires_noise_iterations > 0:
+        problems.append(
+            "objective.multires_noise_iterations: pyramid noise is 2-D and does not take clips "
+            "(data.video); set it to 0 (noise_offset works on clips)"
+        )
+    return problems
 
 
 def compile_problems(memory: MemoryConfig) -> list[str]:
@@ -204,6 +223,11 @@ def model_problems(config: Config) -> list[str]:
         problems.append(
             f"parallel.tp {config.parallel.tp}: the {model.family} family has no "
             "tensor-parallel plan; set parallel.tp: 1 (fsdp shards its weights without it)"
+        )
+    if config.data.video is not None and not spec.video:
+        problems.append(
+            f"data.video: the {model.family} family trains on images, not clips; use "
+            "model.family: dit, or remove data.video"
         )
     for key in config.parts.model_extra or {}:
         name = key.removesuffix("_lr")

@@ -20,13 +20,21 @@ from impasto.data import Batch
 from impasto.models.backbone import Backbone, split_rows, stack_rows
 
 
+def memo_keys(batch: Batch) -> list[tuple[int, int]]:
+    """Each row's posterior key: its record, and a clip's first frame (a video's clip may
+    start elsewhere each epoch: ``data.video.placement: random``)."""
+    indices = batch.indices.tolist()
+    starts = [-1] * len(indices) if batch.clip_starts is None else batch.clip_starts.tolist()
+    return list(zip(indices, starts, strict=True))
+
+
 class EncodingMemo:
-    """Per-image latent posteriors (mean, std) and per-caption text encodings."""
+    """Per-image (per-clip) latent posteriors (mean, std) and per-caption text encodings."""
 
     def __init__(self, latents: bool, text_embeddings: bool) -> None:
         self.latents = latents
         self.text_embeddings = text_embeddings
-        self._posteriors: dict[int, tuple[Tensor, Tensor]] = {}
+        self._posteriors: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self._texts: dict[str, Any] = {}
 
     @classmethod
@@ -40,12 +48,12 @@ class EncodingMemo:
             return batch.latent_mean.to(device).float(), batch.latent_std.to(device).float()
         if not self.latents:
             return backbone.latent_posterior(batch.pixel_values)
-        indices = batch.indices.tolist()
-        for row, index in enumerate(indices):
-            if index not in self._posteriors:  # only new images go to the device
+        keys = memo_keys(batch)
+        for row, key in enumerate(keys):
+            if key not in self._posteriors:  # only new images go to the device
                 mean, std = backbone.latent_posterior(batch.pixel_values[row : row + 1])
-                self._posteriors[index] = (mean[0].cpu(), std[0].cpu())
-        means, stds = zip(*(self._posteriors[i] for i in indices), strict=True)
+                self._posteriors[key] = (mean[0].cpu(), std[0].cpu())
+        means, stds = zip(*(self._posteriors[key] for key in keys), strict=True)
         device = backbone.device  # one device holds every network of a training process
         return torch.stack(means).to(device), torch.stack(stds).to(device)
 

@@ -104,7 +104,8 @@ def noised_batch(
     condition = backbone.condition(text, batch)
     noise = torch.randn((total, *latents.shape[1:]), generator=generator).to(device)
     height, width = batch.target_sizes[0].tolist()  # a CPU tensor: no device sync
-    times = objective.sample_times(total, generator, device, (height, width))
+    frames = latents.shape[2:-2]  # a clip's latent frames: its shift grows with its tokens
+    times = objective.sample_times(total, generator, device, (*frames, height, width))
     noise, noise_for_input = objective.shape_noise(noise, generator)
     noise, noise_for_input, times = noise[mine], noise_for_input[mine], times[mine]
     x_t, target, model_times = objective.noised(latents, noise, noise_for_input, times)

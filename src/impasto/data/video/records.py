@@ -1,0 +1,162 @@
+"""Clips as training records (``data.video``): sources read as clips, each video cut into its
+clip slots, and the pixels of one clip sample.
+
+A video run's records are :class:`~impasto.data.folder.ImageRecord` s like an image run's, so
+repeats, loss weights, the validation split, buckets and the bad-data report work unchanged:
+
+- a video or frame folder is a record with a :class:`ClipSlot` (its probed
+  :class:`~impasto.data.video.probe.ClipInfo`, and once expanded, which of its clips it is);
+- an image is a record without one: a one-frame sample.
+
+A video of ``m`` clips (:func:`~impasto.data.video.sampling.sample_clips`) becomes ``m``
+records (:func:`expand_clip_slots`), one sample each; they share a placement key (the dataset
+index of the first), so an epoch's clips of one video are drawn together and never overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from impasto.data.folder import IMAGE_EXTENSIONS, ImageRecord, Scan
+from impasto.data.skips import SCANNED, Skipped
+from impasto.data.video.frames import UnreadableClip
+from impasto.data.video.probe import ClipInfo, decode_frames
+from impasto.data.video.sampling import ClipSampling, clip_length, frame_grid, sample_clips
+from impasto.data.video.scan import probe_clips, scan_clip_folder
+
+
+@dataclass(frozen=True)
+class ClipSlot:
+    """A video's place in the records: its probe, and (once :func:`expand_clip_slots` ran)
+    which of its ``num_clips`` clips of ``num_frames`` frames this record is; ``key`` seeds the
+    placement of the video's clips (shared by its slots)."""
+
+    info: ClipInfo
+    slot: int = 0
+    num_clips: int = 1
+    num_frames: int = 1
+    key: int = 0
+
+
+def clip_sampling(video: Any) -> ClipSampling:
+    """The ``data.video`` config section as :class:`ClipSampling`."""
+    return ClipSampling(
+        num_frames=video.num_frames, fps=video.fps, frame_stride=video.frame_stride,
+        clips_per_video=video.clips_per_video, placement=video.placement,
+        min_frames=video.min_frames, temporal_compression=video.temporal_compression,
+    )  # fmt: skip
+
+
+def is_image_file(path: Path | str) -> bool:
+    path = Path(path)
+    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.is_dir()
+
+
+def clip_folder_scan(source: Any, index_dir: Path) -> Scan:
+    """A folder source read as clips (:func:`~impasto.data.video.scan.scan_clip_folder`):
+    every video and frame folder probed (frames counted by decoding), those that do not decode
+    left out with the reason; images become one-frame records."""
+    found = scan_clip_folder(Path(source.path))
+    probed, broken = probe_clips(found.records)
+    records = []
+    for record, info in probed:
+        size = (info.height, info.width)
+        if is_image_file(record.path) and record.blob is None:
+            records.append(ImageRecord(record.path, record.caption, record.weight, size=size))
+        else:
+            slot = ClipSlot(info)
+            records.append(ImageRecord(record.path, record.caption, record.weight,
+                                       blob=record.blob, size=size, clip=slot))  # fmt: skip
+    return Scan(records, found.skipped + broken)
+
+
+CLIP_SOURCE_READERS = {"folder": clip_folder_scan}
+"""``data.source`` → its reader in a video run (``data.video``)."""
+
+
+def clip_reader(kind: str):
+    """The reader of a ``kind`` source in a video run; a one-line error for one that does not
+    read clips yet."""
+    if kind not in CLIP_SOURCE_READERS:
+        raise ValueError(
+            f"data.source {kind}: clips are read from folders only so far (data.video); put "
+            "the videos in a folder with their captions, or remove data.video"
+        )
+    return CLIP_SOURCE_READERS[kind]
+
+
+def expand_clip_slots(
+    records: Sequence[ImageRecord], sampling: ClipSampling
+) -> tuple[list[ImageRecord], list[Skipped]]:
+    """Each video record as its clip slots (module docstring); a video too short for
+    ``min_frames`` at the sample rate is left out with the reason. Images stay one record."""
+    expanded: list[ImageRecord] = []
+    skipped: dict[str, Skipped] = {}
+    for record in records:
+        if record.clip is None:
+            expanded.append(record)
+            continue
+        info = record.clip.info
+        grid = frame_grid(info, sampling)
+        length = clip_length(len(grid), sampling)
+        if length == 0:
+            name = str(record.image_path)
+            skipped[name] = Skipped(SCANNED, name, (
+                f"{len(grid)} frames at the sample rate, fewer than data.video.min_frames "
+                f"{sampling.min_frames}; lower it or remove the clip"))  # fmt: skip
+            continue
+        count = min(sampling.clips_per_video, len(grid) // length)
+        key = len(expanded)
+        expanded.extend(
+            replace(record, clip=ClipSlot(info, slot, count, length, key))
+            for slot in range(count)
+        )
+    return expanded, list(skipped.values())
+
+
+def frames_of(records: Sequence[ImageRecord]) -> list[int]:
+    """Frames of each record's samples: its clips' length, 1 for an image."""
+    return [1 if record.clip is None else record.clip.num_frames for record in records]
+
+
+def clip_frame_indices(
+    record: ImageRecord, sampling: ClipSampling, seed: int, epoch: int
+) -> tuple[int, ...]:
+    """The decoded frames record ``record`` (a clip slot) trains on in ``epoch``."""
+    slot = record.clip
+    clips = sample_clips(slot.info, sampling, seed, epoch, slot.key)
+    return clips[slot.slot]
+
+
+def clip_frames(record: ImageRecord, indices: Sequence[int]) -> list[Image.Image]:
+    """The frames ``indices`` of a clip record, as RGB images (UnreadableClip if they no
+    longer decode)."""
+    source = record.blob if record.blob is not None else record.image_path
+    frames = decode_frames(source, indices, str(record.image_path))
+    return [Image.fromarray(frame.numpy()) for frame in frames]
+
+
+def stack_frames(frames: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Transformed frames ``[3, H, W]`` each → the clip ``[3, T, H, W]``."""
+    return torch.stack(list(frames), dim=1)
+
+
+__all__ = [
+    "CLIP_SOURCE_READERS",
+    "ClipSlot",
+    "UnreadableClip",
+    "clip_folder_scan",
+    "clip_frame_indices",
+    "clip_frames",
+    "clip_reader",
+    "clip_sampling",
+    "expand_clip_slots",
+    "frames_of",
+    "stack_frames",
+]
