@@ -1,6 +1,7 @@
 """Demo clips on disk: a folder of lossless PNG frames, or an H.264 ``.mp4`` through PyAV.
 
-A frame folder ``clip-00000/`` holds ``000.png``, ``001.png`` ... (frame order = name order);
+A frame folder ``clip-00000/`` holds ``000.png``, ``001.png`` ... (frame order = name order)
+and ``fps.txt`` (its rate, and the mark of a frame folder in a folder scan);
 an ``.mp4`` is H.264 in yuv420p, the pixel format every player decodes. yuv420p keeps one
 chroma sample per 2x2 pixels and H.264 is lossy: a decoded clip's colours drift by a few levels
 and the shape's edges blur, which is why the demo writes frame folders unless asked.
@@ -37,6 +38,7 @@ def _write_frames(frames: np.ndarray, stem: Path) -> Path:
     stem.mkdir()
     for index, frame in enumerate(frames):
         Image.fromarray(frame).save(stem / f"{index:03d}.png", format="PNG")
+    (stem / "fps.txt").write_text(f"{DEMO_VIDEO_FPS}\n", encoding="utf-8")  # marks a frame folder
     return stem
 
 

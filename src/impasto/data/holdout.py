@@ -25,8 +25,10 @@ from impasto.data.buckets import assign_image_buckets, buckets_from
 from impasto.data.captions import caption_tools_from
 from impasto.data.dataset import Batch, ImageCaptionDataset, collate_examples
 from impasto.data.demo import write_demo_dataset
+from impasto.data.demo_video import write_demo_video_dataset
 from impasto.data.folder import ImageRecord
 from impasto.data.seeding import derive_seed
+from impasto.data.video.records import clip_sampling, expand_clip_slots, sample_shapes
 from impasto.distributed import barrier
 
 HASH_PERSON = b"impasto-holdout"
@@ -111,7 +113,11 @@ def generate_missing_demo_sets(config: Any, main: bool = True) -> None:
             with tempfile.TemporaryDirectory(dir=path.parent, prefix=".tmp-") as temporary:
                 written = Path(temporary) / "set"
                 seed = demo_set_seed(config.eval.seed, eval_set.name)
-                write_demo_dataset(written, count, data.resolution, seed=seed)
+                if data.video is None:
+                    write_demo_dataset(written, count, data.resolution, seed=seed)
+                else:  # clips of the combinations no training clip shows
+                    write_demo_video_dataset(written, count, data.resolution, frames=9,
+                                             seed=seed, held_out=True)  # fmt: skip
                 written.rename(path)
             print(
                 f"impasto: wrote {count} held-out demo images to {path} (eval set {eval_set.name})"
@@ -144,26 +150,32 @@ def held_out_set(
     read as training reads them but without randomness (module docstring)."""
     data = config.data
     records = list(records)[: config.eval.max_images]
+    sampling = None
+    if data.video is not None:  # a video's clips, then the first max_images samples
+        sampling = clip_sampling(data.video)
+        records = expand_clip_slots(records, sampling)[0][: config.eval.max_images]
     bucket_of = None
     buckets = buckets_from(data)
     if buckets is not None:
         bucket_of, _ = assign_image_buckets(records, buckets, data.bucket_no_upscale)
     tools = replace(caption_tools_from(data), shuffle=False, tag_dropout=0.0)
     dataset = ImageCaptionDataset(
-        records, data.resolution, "center", False, config.eval.seed, 0.0, bucket_of, tools
-    )
-    return HeldOutSet(name, records, dataset, eval_batches(bucket_of, len(records), batch_size))
+        records, data.resolution, "center", False, config.eval.seed, 0.0, bucket_of, tools,
+        video=sampling,
+    )  # fmt: skip
+    keys = bucket_of if sampling is None else sample_shapes(records, bucket_of, data.resolution)
+    return HeldOutSet(name, records, dataset, eval_batches(keys, len(records), batch_size))
 
 
 def eval_batches(
-    bucket_of: Sequence[tuple[int, int] | None] | None, num_images: int, batch_size: int
+    bucket_of: Sequence[tuple[int, ...] | None] | None, num_images: int, batch_size: int
 ) -> list[list[int]]:
     """Consecutive images of one bucket at a time, at most ``batch_size`` each: the buckets in
     the order their first image comes, each bucket's images in their order."""
     if bucket_of is None:
         indices = list(range(num_images))
         return [indices[start : start + batch_size] for start in range(0, num_images, batch_size)]
-    by_bucket: dict[tuple[int, int], list[int]] = {}
+    by_bucket: dict[tuple[int, ...], list[int]] = {}
     for index, bucket in enumerate(bucket_of):
         if bucket is not None:
             by_bucket.setdefault(bucket, []).append(index)

@@ -35,7 +35,7 @@ from impasto.data.records import (
     shard_index_dir,
 )
 from impasto.data.sampler import ResumableBatchSampler
-from impasto.data.video.records import clip_sampling, expand_clip_slots, frames_of
+from impasto.data.video.records import clip_sampling, expand_clip_slots, sample_shapes
 from impasto.data.skips import BAD_DATA_FILE, SCANNED, BadDataLog, Skipped, distinct
 from impasto.distributed import RunGroup, process_group
 from impasto.faults import writing
@@ -403,23 +403,14 @@ def prepare_run_data(
     )
 
 
-def sample_shapes(
-    config: Any, records: Sequence[ImageRecord], bucket_of: list[Bucket | None] | None
-) -> list[tuple[int, int, int] | None]:
-    """Each sample's ``(frames, height, width)``: its bucket (or the ``data.resolution``
-    square), with its clip's frames (1 for an image); None where no bucket takes it."""
-    square = (config.data.resolution, config.data.resolution)
-    sizes = bucket_of if bucket_of is not None else [square] * len(records)
-    frames = frames_of(records) if config.data.video is not None else [1] * len(records)
-    return [None if size is None else (count, *size) for count, size in zip(frames, sizes, strict=True)]
-
-
 def clip_keys(
     config: Any, records: Sequence[ImageRecord], bucket_of: list[Bucket | None] | None
 ) -> list[tuple[int, int, int] | None] | None:
     """What batches of a video run group by: each sample's (frames, height, width), so a batch
     holds one shape (:func:`sample_shapes`); None in an image run (its buckets do)."""
-    return None if config.data.video is None else sample_shapes(config, records, bucket_of)
+    if config.data.video is None:
+        return None
+    return sample_shapes(records, bucket_of, config.data.resolution)
 
 
 def pack_sizes(
@@ -432,7 +423,7 @@ def pack_sizes(
     capacity = config.data.pack_tokens
     if capacity is None or backbone is None:
         return None
-    shapes = sample_shapes(config, records, bucket_of)
+    shapes = sample_shapes(records, bucket_of, config.data.resolution)
     lengths = {
         shape: backbone.sequence_length(shape[1], shape[2], frames=shape[0])
         for shape in set(shapes) if shape is not None

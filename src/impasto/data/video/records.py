@@ -125,6 +125,19 @@ def frames_of(records: Sequence[ImageRecord]) -> list[int]:
     return [1 if record.clip is None else record.clip.num_frames for record in records]
 
 
+def sample_shapes(
+    records: Sequence[ImageRecord], bucket_of: Sequence[tuple[int, int] | None] | None,
+    resolution: int,
+) -> list[tuple[int, int, int] | None]:  # fmt: skip
+    """Each sample's ``(frames, height, width)``: its bucket (or the ``resolution`` square),
+    with its clip's frames (1 for an image); None where no bucket takes it."""
+    sizes = bucket_of if bucket_of is not None else [(resolution, resolution)] * len(records)
+    return [
+        None if size is None else (frames, *size)
+        for frames, size in zip(frames_of(records), sizes, strict=True)
+    ]
+
+
 def clip_frame_indices(
     record: ImageRecord, sampling: ClipSampling, seed: int, epoch: int
 ) -> tuple[int, ...]:
@@ -158,5 +171,6 @@ __all__ = [
     "clip_sampling",
     "expand_clip_slots",
     "frames_of",
+    "sample_shapes",
     "stack_frames",
 ]
