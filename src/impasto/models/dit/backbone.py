@@ -89,9 +89,9 @@ class DiTBackbone:
 
     family = "dit"
 
-    def __init__(self, components: DiTComponents, attention: str = "auto") -> None:
+    def __init__(self, components: DiTComponents, kernel: str = "auto") -> None:
         self.components = components
-        self.attention = attention  # the kernel of packed batches (model.dit.attention)
+        self.kernel = kernel  # the attention kernel of packed batches (model.dit.kernel)
 
     # -- networks -------------------------------------------------------------------------
     def parts(self) -> dict[str, nn.Module]:
@@ -107,7 +107,7 @@ class DiTBackbone:
         return self.components.transformer
 
     def with_denoiser(self, denoiser: nn.Module) -> DiTBackbone:
-        return DiTBackbone(replace(self.components, transformer=denoiser), self.attention)
+        return DiTBackbone(replace(self.components, transformer=denoiser), self.kernel)
 
     @property
     def device(self) -> torch.device:
@@ -199,6 +199,7 @@ class DiTBackbone:
         )
 
     def forward(self, x_t: Tensor, timesteps: Tensor, condition: DiTConditioning) -> Tensor:
+        """Latents ``x_t``: images ``[B, C, h, w]`` or clips ``[B, C, F, h, w]``."""
         return self.components.transformer(
             x_t, timesteps, condition.prompt_embeds, condition.pooled_prompt_embeds
         )
@@ -207,35 +208,46 @@ class DiTBackbone:
         self, x_ts: list[Tensor], timesteps: list[Tensor], conditions: list[DiTConditioning],
         capacity: int | None = None,
     ) -> list[Tensor]:  # fmt: skip
-        """Groups of different shapes as one pack (attention stays inside each sample)."""
+        """Groups of different shapes (images and clips) as one pack (attention stays inside
+        each sample)."""
         condition = conditions[0]
         for other in conditions[1:]:
             condition = condition.cat(other)
         return self.components.transformer(
             x_ts, torch.cat(timesteps), condition.prompt_embeds, condition.pooled_prompt_embeds,
-            capacity=capacity, kernel=self.attention,
+            capacity=capacity, kernel=self.kernel,
         )  # fmt: skip
 
-    def sequence_length(self, height: int, width: int) -> int:
-        """Patches: (h / p)·(w / p) of the latents."""
+    def sequence_length(self, height: int, width: int, frames: int = 1) -> int:
+        """Tokens of a sample of ``height`` × ``width`` pixels and ``frames`` LATENT frames
+        (what the autoencoder gives; 1: an image): (F / pt)·(h / p)·(w / p) of the latents."""
         _, rows, cols = self.latent_shape(height, width)
-        patch = self.components.transformer.config.patch_size
-        return (rows // patch) * (cols // patch)
+        config = self.components.transformer.config
+        if frames < 1 or frames % config.frame_patch:
+            raise ValueError(
+                f"model.dit.frame_patch {config.frame_patch} does not divide {frames} latent "
+                f"frames; give clips of a multiple of {config.frame_patch} latent frames"
+            )
+        patch = config.patch_size
+        return (frames // config.frame_patch) * (rows // patch) * (cols // patch)
 
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         """Megatron's split of every block (docs/dit.md, parallelism): q, k, v, the MLP's
         first layer(s) by columns (heads / hidden features), the outputs by rows; the
-        modulation vectors are whole on every rank."""
+        modulation vectors are whole on every rank. Names a block lacks (``cross`` of an
+        ``adaln`` block, ``attn_temporal`` outside spatiotemporal blocks) are skipped."""
         transformer = self.components.transformer
         config = transformer.config
+        attentions = ("attn", "attn_temporal", "cross")
         return TensorParallelPlan(
             blocks=tuple(transformer.blocks),
-            gathers=("attn", "cross", "mlp"),
-            colwise=(*(f"{attn}.{name}" for attn in ("attn", "cross")
+            gathers=(*attentions, "mlp"),
+            colwise=(*(f"{attn}.{name}" for attn in attentions
                        for name in ("to_q", "to_k", "to_v")), "mlp.fc1", "mlp.gate", "mlp.up"),
-            rowwise=("attn.to_out", "cross.to_out", "mlp.fc2", "mlp.down"),
-            head_norms=("attn.norm_q", "attn.norm_k", "cross.norm_q", "cross.norm_k"),
-            sequence_norms=("norm1", "norm_cross", "norm2"),
+            rowwise=(*(f"{attn}.to_out" for attn in attentions), "mlp.fc2", "mlp.down"),
+            head_norms=tuple(f"{attn}.{norm}" for attn in attentions
+                             for norm in ("norm_q", "norm_k")),
+            sequence_norms=("norm1", "norm_temporal", "norm_cross", "norm2"),
             conditioned=("modulation",),
             token_index="document",
             output="final",

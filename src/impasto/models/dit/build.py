@@ -85,6 +85,7 @@ def build_preset(
             pooled_dim=pooled_dim, qk_norm=options.qk_norm, position=options.position,
             max_grid=options.max_grid,
             text_tokens=options.text_length if texts.encoder_2 is not None else None,
+            frame_patch=options.frame_patch, attention=options.attention,
         )  # fmt: skip
         transformer = DiT(config)
     components = DiTComponents(transformer, vae, *texts)
@@ -123,7 +124,7 @@ def build_dit_backbone(config: Any) -> DiTBackbone:
         components = build_preset(model.preset, options, model.init_seed, model.text_encoder, vae)
     parts = getattr(config, "parts", None)  # sampling builds from the model section alone
     check_parts_exist(components, (parts.model_extra if parts is not None else None) or {})
-    return DiTBackbone(components, options.attention)
+    return DiTBackbone(components, options.kernel)
 
 
 def check_parts_exist(components: DiTComponents, named: dict[str, Any]) -> None:

@@ -11,6 +11,22 @@ zero and every block starts as the identity (adaLN-Zero, Peebles & Xie 2023, §3
   plain pre-norm cross-attention whose output projection starts at zero (MovieGen, Polyak et
   al. 2024, §3.1).
 
+Latents are images ``[B, C, h, w]`` or clips ``[B, C, F, h, w]`` (:mod:`.layout`). Which
+tokens a block's self-attention reads is ``model.dit.attention`` (:data:`BLOCK_ATTENTION`):
+
+- ``full``: every token of its sample;
+- ``spatiotemporal`` (ST-DiT: OpenSora's STDiT, Latte's variant 3): each block attends within
+  each frame (``attn``), then within each patch position across the frames
+  (``attn_temporal``, with a norm of its own), then to the text, then the MLP. The temporal
+  branch is adaLN-Zero like the others: the block's modulation has a shift, scale and gate
+  more for it (its last three vectors), zero at the start, so the branch starts as the
+  identity and a new network still predicts zero;
+- ``alternating`` (Latte's variant 1, interleaved blocks): even blocks attend within each frame,
+  odd blocks within each patch position; the blocks are those of ``full``.
+
+The same 3-D RoPE serves all three: within a frame the frame angles cancel in ``q·k``, within
+a patch position the row and column angles do.
+
 The same weights run a batch of same-shaped samples (:meth:`DiT.forward`) or a pack of
 samples of different shapes in one sequence (:meth:`DiT.forward_packed`), where every sample
 keeps its own time, text and positions; both give the same prediction per sample.
@@ -19,13 +35,14 @@ Parameter names are the safetensors layout (docs/dit.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from impasto.models.dit.attention import PackAttention, dense, pick_kernel
+from impasto.models.dit.attention import Attend, PackAttention, dense_attends, pick_kernel
 from impasto.models.dit.layers import (
     FREQUENCY_DIM,
     NORM_EPS,
@@ -39,7 +56,7 @@ from impasto.models.dit.layers import (
     swiglu_width,
     timestep_features,
 )
-from impasto.models.dit.layout import grid_positions, patchify, plan_pack, unpatchify
+from impasto.models.dit.layout import Grid, grid_positions, patchify, plan_pack, unpatchify
 from impasto.models.dit.sizes import SIZES
 
 
@@ -57,10 +74,17 @@ class DiTConfig:
     position: str = "rope"
     max_grid: int = 64
     text_tokens: int | None = None  # read the first N text tokens only (None: all)
+    frame_patch: int = 1  # latent frames per token
+    attention: str = "full"  # which tokens self-attention reads (BLOCK_ATTENTION)
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
             raise ValueError(f"unknown DiT size {self.size!r}; valid: {', '.join(SIZES)}")
+        if self.attention not in BLOCK_ATTENTION:
+            raise ValueError(f"unknown DiT attention {self.attention!r}; valid: "
+                             f"{', '.join(BLOCK_ATTENTION)}")  # fmt: skip
+        if self.frame_patch < 1:
+            raise ValueError(f"frame_patch must be at least 1, got {self.frame_patch}")
 
     @property
     def hidden_size(self) -> int:
@@ -78,8 +102,33 @@ class DiTConfig:
     def has_text_tokens(self) -> bool:
         return self.block != "adaln"
 
+    @property
+    def patch_values(self) -> int:
+        """Latent values per token: ``C·pt·p·p``."""
+        return self.in_channels * self.frame_patch * self.patch_size**2
+
+    def block_attention(self, index: int) -> tuple[str, str | None]:
+        """Block ``index``'s self-attention layout, and its temporal attention's (or None)."""
+        return BLOCK_ATTENTION[self.attention](index)
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """Every self-attention layout some block reads."""
+        used = {layout for index in range(self.num_layers)
+                for layout in self.block_attention(index) if layout is not None}  # fmt: skip
+        return tuple(sorted(used))
+
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+BLOCK_ATTENTION: dict[str, Callable[[int], tuple[str, str | None]]] = {
+    "full": lambda index: ("full", None),
+    "spatiotemporal": lambda index: ("spatial", "temporal"),
+    "alternating": lambda index: ("temporal" if index % 2 else "spatial", None),
+}
+"""``model.dit.attention`` → block index → (its self-attention's layout, its temporal
+attention's layout or None): see the module docstring."""
 
 
 def _norm(config: DiTConfig, affine: bool = False) -> nn.Module:
@@ -90,6 +139,7 @@ def _norm(config: DiTConfig, affine: bool = False) -> nn.Module:
 
 
 MODULATIONS = {"adaln": 6, "cross": 9, "llama": 6}  # vectors of D per block
+TEMPORAL_MODULATIONS = 3  # shift, scale, gate of a spatiotemporal block's temporal attention
 
 
 class Block(nn.Module):
@@ -102,28 +152,39 @@ class Block(nn.Module):
         self.gradient_checkpointing = False  # recompute in backward (memory.gradient_checkpointing)
         self.norm1 = _norm(config)
         self.attn = Attention(dim, head_dim, config.qk_norm, bias)
+        self.temporal = config.attention == "spatiotemporal"
+        if self.temporal:
+            self.norm_temporal = _norm(config)
+            self.attn_temporal = Attention(dim, head_dim, config.qk_norm, bias)
         if config.has_text_tokens:
             self.norm_cross = _norm(config, affine=config.block == "llama")
             self.cross = Attention(dim, head_dim, config.qk_norm, bias)
         self.norm2 = _norm(config)
         self.mlp = SwiGLU(dim) if config.block == "llama" else GeluMLP(dim)
         self.mlp_width = swiglu_width(dim) if config.block == "llama" else 4 * dim
-        self.modulation = nn.Linear(dim, MODULATIONS[config.block] * dim)
+        self.num_modulations = MODULATIONS[config.block] + self.temporal * TEMPORAL_MODULATIONS
+        self.modulation = nn.Linear(dim, self.num_modulations * dim)
 
     def forward(
         self, x: Tensor, modulation_input: Tensor, rope: tuple[Tensor, Tensor] | None,
-        text: Tensor | None,
-        attend_self, attend_cross, document: Tensor | None = None,
+        text: Tensor | None, attend_self: Attend, attend_cross: Attend,
+        document: Tensor | None = None, attend_temporal: Attend | None = None,
     ) -> Tensor:  # fmt: skip
         """``x`` ``[B, S, D]``; ``modulation_input`` ``[N, D]`` (one row per sample: B rows,
-        or a pack's N samples gathered per token through ``document`` ``[S]``)."""
+        or a pack's N samples gathered per token through ``document`` ``[S]``);
+        ``attend_temporal``: the temporal attention of a spatiotemporal block."""
         vectors = self.modulation(modulation_input)
         vectors = vectors[document][None] if document is not None else vectors[:, None]
-        chunks = vectors.chunk(MODULATIONS[self.variant], dim=-1)
+        chunks = vectors.chunk(self.num_modulations, dim=-1)
         shift1, scale1, gate1, shift2, scale2, gate2 = chunks[:6]
         x = x + gate1 * self.attn(modulate(self.norm1(x), shift1, scale1), attend_self, rope=rope)
+        if self.temporal:
+            assert attend_temporal is not None, "a spatiotemporal block needs attend_temporal"
+            shift_t, scale_t, gate_t = chunks[-TEMPORAL_MODULATIONS:]
+            normed = modulate(self.norm_temporal(x), shift_t, scale_t)
+            x = x + gate_t * self.attn_temporal(normed, attend_temporal, rope=rope)
         if self.variant == "cross":
-            shift_c, scale_c, gate_c = chunks[6:]
+            shift_c, scale_c, gate_c = chunks[6:9]
             crossed = self.cross(
                 modulate(self.norm_cross(x), shift_c, scale_c), attend_cross, context=text
             )
@@ -134,14 +195,14 @@ class Block(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """Modulated norm, then a linear map of each token to its patch's ``C·p·p`` values."""
+    """Modulated norm, then a linear map of each token to its patch's ``C·pt·p·p`` values."""
 
     def __init__(self, config: DiTConfig) -> None:
         super().__init__()
         dim = config.hidden_size
         self.norm = _norm(config)
         self.modulation = nn.Linear(dim, 2 * dim)
-        self.linear = nn.Linear(dim, config.patch_size**2 * config.in_channels)
+        self.linear = nn.Linear(dim, config.patch_values)
 
     def forward(self, x: Tensor, modulation_input: Tensor, document: Tensor | None) -> Tensor:
         vectors = self.modulation(modulation_input)
@@ -156,8 +217,8 @@ class DiT(nn.Module):
     def __init__(self, config: DiTConfig) -> None:
         super().__init__()
         self.config = config
-        dim, patch = config.hidden_size, config.patch_size
-        self.patch_embed = nn.Linear(config.in_channels * patch * patch, dim)
+        dim = config.hidden_size
+        self.patch_embed = nn.Linear(config.patch_values, dim)
         self.time_embed = MLPEmbedder(FREQUENCY_DIM, dim, nn.SiLU())
         self.pooled_embed = MLPEmbedder(config.pooled_dim, dim, nn.SiLU())
         if config.has_text_tokens:
@@ -225,8 +286,11 @@ class DiT(nn.Module):
 
     def _trunk(
         self, tokens: Tensor, positions: Tensor, timesteps: Tensor, text: Tensor | None,
-        pooled: Tensor, attend_self, attend_cross, document: Tensor | None,
+        pooled: Tensor, attends: Mapping[str, Attend], attend_cross: Attend,
+        document: Tensor | None,
     ) -> Tensor:  # fmt: skip
+        """The blocks over ``tokens`` ``[B, S, C·pt·p·p]``; ``attends``: each self-attention
+        layout's kernel (:data:`BLOCK_ATTENTION`)."""
         x, rope = self._positions(self.patch_embed(tokens), positions)
         dtype = x.dtype
         condition = self.time_embed(timestep_features(timesteps).to(dtype))
@@ -236,55 +300,96 @@ class DiT(nn.Module):
         context = None
         if self.config.has_text_tokens and text is not None:
             context = self.text_embed(text.to(dtype))
-        for block in self.blocks:
-            inputs = (x, condition, rope, context, attend_self, attend_cross)
+        for index, block in enumerate(self.blocks):
+            layout, temporal = self.config.block_attention(index)
+            inputs = (x, condition, rope, context, attends[layout], attend_cross)
+            options = {"document": document, "attend_temporal": attends.get(temporal)}
             if block.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, *inputs, document=document, use_reentrant=False)
+                x = checkpoint(block, *inputs, **options, use_reentrant=False)
             else:
-                x = block(*inputs, document=document)
+                x = block(*inputs, **options)
         return self.final(x, condition, document)
+
+    # -- tokens ---------------------------------------------------------------------------
+    def token_grid(self, latents: Tensor) -> Grid:
+        """The patch grid of an image ``[B, C, h, w]`` (one frame) or a clip
+        ``[B, C, F, h, w]``; a one-line error where the frames do not split into
+        ``frame_patch`` or the positions cannot tell frames apart."""
+        config = self.config
+        if latents.dim() not in (4, 5):
+            raise ValueError(
+                f"DiT latents are [B, C, h, w] or [B, C, F, h, w], got {tuple(latents.shape)}"
+            )
+        frames = latents.shape[2] if latents.dim() == 5 else 1
+        if frames % config.frame_patch:
+            raise ValueError(
+                f"model.dit.frame_patch {config.frame_patch} does not divide these latents' "
+                f"{frames} frames; give clips of a multiple of {config.frame_patch} latent frames"
+            )
+        patch, pt = config.patch_size, config.frame_patch
+        grid = Grid(frames // pt, latents.shape[-2] // patch, latents.shape[-1] // patch)
+        if grid.frames > 1 and config.position != "rope":
+            raise ValueError(
+                f"model.dit.position {config.position} encodes rows and columns only, so the "
+                "frames of a clip would look alike; use position: rope for clips"
+            )
+        return grid
+
+    def _unpatchify(self, tokens: Tensor, like: Tensor, grid: Grid) -> Tensor:
+        """``[B, grid tokens, C·pt·p·p]`` → latents shaped as ``like`` (an image or a clip)."""
+        config = self.config
+        frames = grid.frames if like.dim() == 5 else None
+        return unpatchify(
+            tokens, config.patch_size, config.in_channels, grid.rows, grid.cols, frames,
+            config.frame_patch,
+        )  # fmt: skip
 
     # -- entry points ---------------------------------------------------------------------
     def forward(
         self, x: Tensor | list[Tensor], timesteps: Tensor, text: Tensor | None, pooled: Tensor,
         capacity: int | None = None, kernel: str = "auto",
     ) -> Tensor | list[Tensor]:  # fmt: skip
-        """``x`` ``[B, C, h, w]`` latents, ``timesteps`` ``[B]`` (or one for all), ``text``
-        ``[B, L, text_dim]`` tokens, ``pooled`` ``[B, pooled_dim]`` → the prediction
-        ``[B, C, h, w]``. A list of groups of latents is a pack (:meth:`forward_packed`,
-        whose arguments ``capacity`` and ``kernel`` are): called through ``forward``, so that
-        what wraps the module (FSDP, DDP, hooks) sees both kinds of call."""
+        """``x`` latents, images ``[B, C, h, w]`` or clips ``[B, C, F, h, w]``, ``timesteps``
+        ``[B]`` (or one for all), ``text`` ``[B, L, text_dim]`` tokens, ``pooled``
+        ``[B, pooled_dim]`` → the prediction, shaped as ``x``. A list of groups of latents is
+        a pack (:meth:`forward_packed`, whose arguments ``capacity`` and ``kernel`` are):
+        called through ``forward``, so that what wraps the module (FSDP, DDP, hooks) sees both
+        kinds of call."""
         if isinstance(x, list):
             return self.forward_packed(x, timesteps, text, pooled, capacity, kernel)
-        patch = self.config.patch_size
-        rows, cols = x.shape[-2] // patch, x.shape[-1] // patch
+        grid = self.token_grid(x)
         timesteps = timesteps.reshape(-1).expand(x.shape[0])  # one time for all, as a UNet takes
-        if (rows * cols) % self.token_multiple:
+        if grid.num_tokens % self.token_multiple:
             return self.forward_packed([x], timesteps, text, pooled)[0]
         text = self._read_text(text)
-        positions = grid_positions(rows, cols).to(x.device)[None]
+        positions = grid_positions(grid.rows, grid.cols, grid.frames).to(x.device)[None]
+        attends = dense_attends(grid.frames, grid.cells)
+        tokens = patchify(x, self.config.patch_size, self.config.frame_patch)
         out = self._trunk(
-            patchify(x, patch), positions, timesteps, text, pooled, dense, dense, None
+            tokens, positions, timesteps, text, pooled, attends, attends["full"], None
         )
-        return unpatchify(out, patch, self.config.in_channels, rows, cols)
+        return self._unpatchify(out, x, grid)
 
     def forward_packed(
         self, groups: list[Tensor], timesteps: Tensor, text: Tensor | None, pooled: Tensor,
         capacity: int | None = None, kernel: str = "auto",
     ) -> list[Tensor]:  # fmt: skip
         """Samples of different shapes in one sequence (call it as ``self(groups, ...)``, see
-        :meth:`forward`): ``groups`` of same-shaped latents
-        ``[n_g, C, h_g, w_g]``; ``timesteps`` ``[N]``, ``text`` ``[N, L, text_dim]`` and
-        ``pooled`` ``[N, pooled_dim]`` for the N samples in group order. The pack holds
-        ``capacity`` tokens (default: the next multiple of 128). Returns the predictions of
-        each group, shaped as it."""
+        :meth:`forward`): ``groups`` of same-shaped latents, images ``[n_g, C, h_g, w_g]`` or
+        clips ``[n_g, C, F_g, h_g, w_g]``; ``timesteps`` ``[N]``, ``text``
+        ``[N, L, text_dim]`` and ``pooled`` ``[N, pooled_dim]`` for the N samples in group
+        order. The pack holds ``capacity`` tokens (default: the next multiple of 128).
+        Returns the predictions of each group, shaped as it."""
         text = self._read_text(text)
-        patch, device = self.config.patch_size, groups[0].device
-        grids = [
-            (g.shape[-2] // patch, g.shape[-1] // patch) for g in groups for _ in range(g.shape[0])
+        config, device = self.config, groups[0].device
+        grids = [self.token_grid(group) for group in groups]
+        samples = [
+            grid for grid, group in zip(grids, groups, strict=True) for _ in range(group.shape[0])
         ]
-        pack = plan_pack(grids, capacity, device, self.token_multiple)
-        tokens = torch.cat([patchify(g, patch).flatten(0, 1) for g in groups])
+        pack = plan_pack(samples, capacity, device, self.token_multiple)
+        tokens = torch.cat(
+            [patchify(g, config.patch_size, config.frame_patch).flatten(0, 1) for g in groups]
+        )
         padding = tokens.new_zeros(pack.capacity - pack.num_tokens, tokens.shape[-1])
         tokens = torch.cat([tokens, padding])[None]
         autocast = torch.amp.is_autocast_available(device.type)  # not on meta (FLOP counts)
@@ -295,17 +400,16 @@ class DiT(nn.Module):
         )
         kernel = pick_kernel(kernel, device, dtype)
         text_length = text.shape[1] if text is not None else 1
-        attention = PackAttention(pack, text_length, kernel)
+        attention = PackAttention(pack, text_length, kernel, config.layouts)
         context = None if text is None else text.flatten(0, 1)[None]
         out = self._trunk(
             tokens, pack.positions[None], timesteps, context, pooled,
-            attention.self_attention, attention.cross_attention, pack.document,
+            attention.attends, attention.cross_attention, pack.document,
         )[0]  # fmt: skip
         predictions, start = [], 0
-        for group in groups:
-            count, rows, cols = group.shape[0], group.shape[-2] // patch, group.shape[-1] // patch
-            length = count * rows * cols
-            piece = out[start : start + length].reshape(count, rows * cols, -1)
-            predictions.append(unpatchify(piece, patch, self.config.in_channels, rows, cols))
+        for group, grid in zip(groups, grids, strict=True):
+            length = group.shape[0] * grid.num_tokens
+            piece = out[start : start + length].reshape(group.shape[0], grid.num_tokens, -1)
+            predictions.append(self._unpatchify(piece, group, grid))
             start += length
         return predictions

@@ -6,19 +6,22 @@ Validated like every section (unknown key, wrong type or value: one line naming
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, get_args
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from impasto.config.section import Int, Section
 
 MAX_GRID = 1024  # patches per side of a learned position table
 MAX_TEXT_LENGTH = 4096  # text tokens per prompt (T5 models read 512; Wan's UMT5 512)
+Kernel = Literal["auto", "flex", "varlen", "grouped", "sdpa"]
+KERNELS = get_args(Kernel)  # model.dit.kernel
 
 
 class DiTOptions(Section):
-    """``model.dit``: block variant, patches, positions, normalisation, text length and
-    attention kernel."""
+    """``model.dit``: block variant, patches, positions, normalisation, text length, the
+    attention layout and the attention kernel of packs."""
 
     block: Literal["adaln", "cross", "llama"] = Field(
         "cross",
@@ -27,6 +30,11 @@ class DiTOptions(Section):
         "modulation and cross-attention (MovieGen)",
     )
     patch_size: Literal[1, 2, 4] = Field(2, description="latent pixels per patch side")
+    frame_patch: Literal[1, 2] = Field(
+        1,
+        description="latent frames per token: a clip's frame count must be a multiple of it "
+        "(2 cannot take images, which are one frame)",
+    )
     qk_norm: Literal["rms", "layer", "none"] = Field(
         "rms", description="normalise queries and keys per head (training stability)"
     )
@@ -48,10 +56,30 @@ class DiTOptions(Section):
         "most 256); with SDXL's CLIP pair (77 tokens) the transformer reads the first "
         "text_length of them (CLIP is causal: the same states; default: all 77)",
     )
-    attention: Literal["auto", "flex", "varlen", "grouped", "sdpa"] = Field(
+    attention: Literal["full", "spatiotemporal", "alternating"] = Field(
+        "full",
+        description="which tokens self-attention reads: full (every token of its sample); "
+        "spatiotemporal (ST-DiT: each block attends within each frame, then within each patch "
+        "position across the frames); alternating (Latte: even blocks within each frame, odd "
+        "blocks within each patch position)",
+    )
+    kernel: Kernel = Field(
         "auto",
         description="the kernel of packed batches: flex (FlexAttention document mask), varlen "
         "(torch.nn.attention.varlen, CUDA, bf16/fp16), grouped (SDPA over each shape group), "
         "sdpa (SDPA with a mask over the pack); auto: varlen on CUDA in bf16/fp16, else flex "
         "on CUDA, grouped on the CPU",
     )
+
+    @field_validator("attention", mode="before")
+    @classmethod
+    def _kernel_moved(cls, value: Any) -> Any:
+        # model.dit.attention named the packed kernel before the frame axis came.
+        if value in KERNELS:
+            raise PydanticCustomError(
+                "kernel_moved",
+                "the kernel option is now model.dit.kernel: set model.dit.kernel: {kernel} "
+                "(attention now takes full, spatiotemporal or alternating)",
+                {"kernel": value},
+            )
+        return value
