@@ -225,9 +225,10 @@ def model_problems(config: Config) -> list[str]:
             "tensor-parallel plan; set parallel.tp: 1 (fsdp shards its weights without it)"
         )
     if config.data.video is not None and not spec.video:
+        clips = " or ".join(name for name, other in FAMILIES.items() if other.video)
         problems.append(
             f"data.video: the {model.family} family trains on images, not clips; use "
-            "model.family: dit, or remove data.video"
+            f"model.family: {clips or 'a family that takes clips'}, or remove data.video"
         )
     for key in config.parts.model_extra or {}:
         name = key.removesuffix("_lr")

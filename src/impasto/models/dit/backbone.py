@@ -162,7 +162,12 @@ class DiTBackbone:
     def latent_format(self) -> tuple[int, int]:
         return autoencoder.latent_format(self.components.vae)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+    def latent_shape(
+        self, height: int, width: int, frames: int | None = None
+    ) -> tuple[int, ...]:
+        """``(C, h, w)`` of an image; with ``frames``, ``(C, t, h, w)`` of a clip of that many
+        frames (``t``: its latent frames; a one-line error where the frame count does not
+        fit the autoencoder's rule or the DiT's ``frame_patch``)."""
         channels, factor = self.latent_format()
         step = factor * self.components.transformer.config.patch_size
         if height <= 0 or width <= 0 or height % step or width % step:
@@ -170,7 +175,38 @@ class DiTBackbone:
                 f"height and width must be positive multiples of {step} (the VAE's "
                 f"downsampling {factor} × the DiT's patch size), got {height}x{width}"
             )
-        return channels, height // factor, width // factor
+        if frames is None:
+            return channels, height // factor, width // factor
+        return channels, self.latent_frames(frames), height // factor, width // factor
+
+    def temporal_compression(self) -> int:
+        """Frames per latent frame after the first: 4 with a video autoencoder (clips of
+        k·4 + 1 frames), 1 with an image VAE (which takes one frame only)."""
+        return autoencoder.temporal_compression(self.components.vae)
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a clip of ``frames`` frames (ValueError where they do not fit)."""
+        vae, step = self.components.vae, self.temporal_compression()
+        if frames != 1 and not autoencoder.is_video_vae(vae):
+            raise ValueError(
+                f"a clip of {frames} frames: this DiT's autoencoder ({type(vae).__name__}) "
+                "encodes images; set model.dit.autoencoder: video (or model.vae to a Wan 2.1 VAE)"
+            )
+        if frames < 1 or (frames - 1) % step:
+            low = max(1, (frames - 1) // step * step + 1)
+            raise ValueError(
+                f"a clip of {frames} frames: the video autoencoder takes k·{step}+1 frames "
+                f"(1, {1 + step}, {1 + 2 * step}, ...), e.g. {low} or {low + step}"
+            )
+        config = self.components.transformer.config
+        latent = autoencoder.latent_frames(vae, frames)
+        if latent % config.frame_patch:
+            raise ValueError(
+                f"model.dit.frame_patch {config.frame_patch} does not divide the {latent} latent "
+                f"frames of a clip of {frames} frames; use clips of a multiple of "
+                f"{config.frame_patch} latent frames"
+            )
+        return latent
 
     # -- conditioning ---------------------------------------------------------------------
     def encode_text(self, captions: list[str]) -> PromptEmbeds:
@@ -219,17 +255,12 @@ class DiTBackbone:
         )  # fmt: skip
 
     def sequence_length(self, height: int, width: int, frames: int = 1) -> int:
-        """Tokens of a sample of ``height`` × ``width`` pixels and ``frames`` LATENT frames
-        (what the autoencoder gives; 1: an image): (F / pt)·(h / p)·(w / p) of the latents."""
-        _, rows, cols = self.latent_shape(height, width)
+        """Tokens of a sample of ``height`` × ``width`` pixels and ``frames`` frames (1: an
+        image): (t / pt)·(h / p)·(w / p) of its latents, t its latent frames."""
+        shape = self.latent_shape(height, width, frames)
         config = self.components.transformer.config
-        if frames < 1 or frames % config.frame_patch:
-            raise ValueError(
-                f"model.dit.frame_patch {config.frame_patch} does not divide {frames} latent "
-                f"frames; give clips of a multiple of {config.frame_patch} latent frames"
-            )
         patch = config.patch_size
-        return (frames // config.frame_patch) * (rows // patch) * (cols // patch)
+        return (shape[1] // config.frame_patch) * (shape[-2] // patch) * (shape[-1] // patch)
 
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         """Megatron's split of every block (docs/dit.md, parallelism): q, k, v, the MLP's

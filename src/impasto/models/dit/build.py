@@ -42,6 +42,7 @@ SPEC = FamilySpec(
     reads_text_encoder=True,
     exports={"folder": save_dit_folder},
     tensor_parallel=True,
+    video=True,
 )
 
 
@@ -94,6 +95,22 @@ def build_preset(
     return components
 
 
+def load_autoencoder(path: str | None, kind: str) -> nn.Module:
+    """``model.dit.autoencoder``'s VAE: ``image``, the demo VAE or ``model.vae`` (a diffusers
+    ``AutoencoderKL``); ``video``, the demo video VAE or ``model.vae`` (Wan 2.1's
+    ``AutoencoderKLWan`` folder)."""
+    if kind == "video":
+        from impasto.models.video_autoencoder import load_demo_video_vae, load_video_vae
+
+        return load_demo_video_vae() if path is None else load_video_vae(path)
+    vae = load_demo_vae()
+    if path is not None:
+        from impasto.models.vae_swap import load_vae
+
+        vae = load_vae(path, vae)
+    return vae
+
+
 def check_objective_fits(path: str, prediction_type: str) -> None:
     """Refuse to continue an exported DiT with another prediction type than it learned (it
     would unlearn its target within steps, as an SDXL v-pred file trained on ε)."""
@@ -116,11 +133,7 @@ def build_dit_backbone(config: Any) -> DiTBackbone:
         check_objective_fits(model.path, config.objective.prediction_type)
         components = load_dit_folder(model.path)
     else:
-        vae = load_demo_vae()
-        if model.vae is not None:
-            from impasto.models.vae_swap import load_vae
-
-            vae = load_vae(model.vae, vae)
+        vae = load_autoencoder(model.vae, options.autoencoder)
         components = build_preset(model.preset, options, model.init_seed, model.text_encoder, vae)
     parts = getattr(config, "parts", None)  # sampling builds from the model section alone
     check_parts_exist(components, (parts.model_extra if parts is not None else None) or {})

@@ -7,7 +7,7 @@
       impasto-model.json          {"family": "dit", "objective": {...}, "resolution": 64,
                                    "transformer": DiTConfig}
       transformer.safetensors     the DiT's weights (key layout: docs/dit.md)
-      vae/                        diffusers AutoencoderKL (config.json + safetensors)
+      vae/                        diffusers AutoencoderKL, or AutoencoderKLWan (a video DiT)
       text_encoder/, tokenizer/   transformers folders: SDXL's CLIP 1, or the single encoder
       text_encoder_2/, tokenizer_2/   SDXL's CLIP 2 (absent with a single encoder)
 
@@ -17,11 +17,13 @@ The record's ``objective`` and ``resolution`` say how the model samples
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL
+from torch import nn
+from diffusers import AutoencoderKL, AutoencoderKLWan
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -53,6 +55,16 @@ def save_dit_folder(
     return out
 
 
+def vae_class(folder: Path) -> type[nn.Module]:
+    """The diffusers class of the VAE saved in ``folder``: Wan 2.1's video VAE
+    (``AutoencoderKLWan``) where its config names it, else ``AutoencoderKL``."""
+    try:
+        name = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        name = None  # load_component says what is wrong with the folder
+    return AutoencoderKLWan if name == "AutoencoderKLWan" else AutoencoderKL
+
+
 def load_dit_folder(path: str | Path) -> DiTComponents:
     """The exported DiT at ``path``, float32, eval mode, offline."""
     from impasto.models.dit.text import load_text_folder
@@ -76,7 +88,7 @@ def load_dit_folder(path: str | Path) -> DiTComponents:
         bad = (result.missing_keys or result.unexpected_keys)[0]
         raise ValueError(f"model.path {root}: {WEIGHTS_FILE} does not fit {RECORD_FILE} ({bad!r})")
     texts = load_text_folder(root, "model.path", cap=None)  # a single encoder's length as saved
-    vae = load_component(AutoencoderKL, root, "vae", torch_dtype=torch.float32)
+    vae = load_component(vae_class(root / "vae"), root, "vae", torch_dtype=torch.float32)
     components = DiTComponents(transformer, vae, *texts)
     for module in components.networks().values():
         module.eval()

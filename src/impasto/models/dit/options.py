@@ -56,6 +56,12 @@ class DiTOptions(Section):
         "most 256); with SDXL's CLIP pair (77 tokens) the transformer reads the first "
         "text_length of them (CLIP is causal: the same states; default: all 77)",
     )
+    autoencoder: Literal["image", "video"] = Field(
+        "image",
+        description="image: an image VAE (the demo VAE, or model.vae: a diffusers "
+        "AutoencoderKL); video: a causal video VAE that takes clips (the tiny demo video VAE, "
+        "or model.vae: Wan 2.1's AutoencoderKLWan folder), for data.video",
+    )
     attention: Literal["full", "spatiotemporal", "alternating"] = Field(
         "full",
         description="which tokens self-attention reads: full (every token of its sample); "
