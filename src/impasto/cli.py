@@ -118,6 +118,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         size=args.size,
         ema=args.ema,
         anneal=args.anneal,
+        frames=args.frames,
+        formats=tuple(args.format or ()),
     )
     for path in sample_checkpoint(args.checkpoint, request, args.out):
         print(path)
@@ -256,10 +258,10 @@ def _add_data(sub: Subcommands) -> None:
 
 
 def _add_sample(sub: Subcommands) -> None:
-    """`impasto sample CHECKPOINT`: generate images."""
+    """`impasto sample CHECKPOINT`: generate images, or a video model's clips."""
     sample = sub.add_parser(
         "sample",
-        help="generate images from a run, a checkpoint or an exported SDXL model",
+        help="generate images (or clips) from a run, a checkpoint or an exported SDXL model",
         description="Options left out take the run's sample.* values (for an exported model "
         "their defaults, and its own size); a prompt file's per-line options override both.",
     )
@@ -334,7 +336,12 @@ def _add_sample(sub: Subcommands) -> None:
         "base (0) | draft (1) | linear (i/n) | power_P ((i/n)^P) | step_F (1 once i/n >= F); "
         "the base is the run's model with its LoRA off, or its starting model",
     )
-    sample.add_argument("--out", required=True, help="output folder for the PNGs")
+    sample.add_argument("--frames", type=int, metavar="N", help="a video model's clips of N = "
+                        "k·4+1 frames, each as NAME.mp4, NAME.webp and NAME.png (its frames); "
+                        "default: sample.frames, else images")  # fmt: skip
+    sample.add_argument("--format", action="append", metavar="FMT", help="clip files, "
+                        "repeatable: mp4, webp, gif (default: mp4, webp)")  # fmt: skip
+    sample.add_argument("--out", required=True, help="output folder")
     sample.set_defaults(func=cmd_sample)
 
 

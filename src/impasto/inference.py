@@ -1,4 +1,6 @@
-"""``impasto sample``: images from a trained checkpoint or an exported model, written as PNGs.
+"""``impasto sample``: images from a trained checkpoint or an exported model, written as PNGs;
+a video model's clips (``--frames``, ``sample.frames``) as ``.mp4`` and ``.webp`` files with a
+PNG of their frames (:func:`save_clip`).
 
 The model (:func:`open_model`) is an impasto run or checkpoint, or an exported SDXL model: a
 single-file ``.safetensors`` (impasto's or another tool's) or a diffusers folder. What the
@@ -29,6 +31,7 @@ from impasto.config import Config
 from impasto.models.backbone import Backbone
 from impasto.models.parts import has_adapters, without_adapters
 from impasto.objectives import training_alphas_cumprod
+from impasto.sample_clips import DEFAULT_CLIP_FORMATS, ClipOutput, clip_fps, clip_frames_option
 from impasto.sample_source import SamplingModel, open_model
 from impasto.sampling import generate, model_forward, to_pil
 from impasto.sampling.anneal import Annealing, ModelForward, anneal_weights
@@ -39,6 +42,7 @@ from impasto.sampling.prompt_file import (
     listed_prompts,
     read_prompt_file,
 )
+from impasto.video_files import CLIP_FORMATS, check_clip_formats, clip_frames, clip_grid
 
 
 def model_sampling_options(config: Config | SamplingModel, spacing: str | None = None) -> dict:
@@ -82,6 +86,8 @@ class SampleRequest:
     spacing: str | None = None  # default: see model_sampling_options
     ema: bool = False  # sample with the checkpoint's EMA weights
     anneal: str | None = None  # annealed guidance with the base model (sampling/anneal.py)
+    frames: int | None = None  # clips of this many frames; None: the model's sample.frames
+    formats: tuple[str, ...] = ()  # the clips' files (CLIP_FORMATS); (): DEFAULT_CLIP_FORMATS
 
     def all_prompts(self) -> list[SamplePrompt]:
         """The command line's prompts, then the prompt file's (read now: errors come early);
@@ -122,7 +128,24 @@ class SampleRequest:
             num_images=1 if self.num_images is None else self.num_images,
             batch_size=self.batch_size,
             anneal=self.anneal,
+            clips=self.clip_output(model),
         )
+
+    def clip_output(self, model: SamplingModel) -> ClipOutput | None:
+        """How clips are made and written (``--frames``, else the model's ``sample.frames``);
+        None: images. One-line errors for a frame count the model cannot encode, an image
+        model asked for more than one frame, or a bad ``--format``."""
+        frames, setting = self.frames, "--frames"
+        if frames is None:
+            frames, setting = model.sample.frames, "sample.frames"
+        if frames is None:
+            if self.formats:
+                raise ValueError("--format sets how clips are written; add --frames N")
+            return None
+        generated = clip_frames_option(model.backbone, frames, setting)
+        formats = self.formats or DEFAULT_CLIP_FORMATS
+        check_clip_formats(formats, "--format" if self.formats else "--format (default: mp4, webp)")
+        return ClipOutput(frames, generated, formats, clip_fps(model.config))
 
 
 def validation_request(
@@ -146,7 +169,9 @@ def validation_request(
     return seeded, replace(request, num_images=per_prompt)
 
 
-def _slug(text: str) -> str:
+def prompt_slug(text: str) -> str:
+    """``text`` for a file name: lower-case letters and digits, the rest runs of "-", at most
+    60 characters ("empty" for none)."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "empty"
 
 
@@ -158,7 +183,7 @@ def image_name(index: int, prompt: str, seed: int) -> str:
     slug makes the name readable, and 8 hex digits of the prompt's sha256 tell apart prompts
     whose slugs are equal (they differ after 60 characters, or in punctuation or case)."""
     digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:8]
-    return f"{index:0{INDEX_DIGITS}d}-{_slug(prompt)}-{digest}-seed{seed}.png"
+    return f"{index:0{INDEX_DIGITS}d}-{prompt_slug(prompt)}-{digest}-seed{seed}.png"
 
 
 def next_index(out_dir: Path) -> int:
@@ -192,17 +217,42 @@ class SharedOptions:
     num_images: int  # per prompt
     batch_size: int
     anneal: str | None
+    clips: ClipOutput | None = None  # None: images
 
 
 def parameters_text(prompt: str, options: PromptOptions, shared: SharedOptions, seed: int) -> str:
-    """The PNG's ``parameters`` text, in A1111's layout."""
+    """The PNG's ``parameters`` text, in A1111's layout (a clip's: its frames and rate too)."""
     anneal = "" if shared.anneal is None else f", Anneal: {shared.anneal}"
+    clips = shared.clips
+    frames = "" if clips is None else f", Frames: {clips.num_frames}, FPS: {clips.fps:g}"
     return (
         f"{prompt}\nNegative prompt: {options.negative_prompt}\n"
         f"Steps: {options.num_steps}, Sampler: {shared.sampler}, "
         f"CFG scale: {options.guidance_scale}, Guidance rescale: {shared.guidance_rescale}, "
-        f"Seed: {seed}, Size: {options.width}x{options.height}{anneal}"
+        f"Seed: {seed}, Size: {options.width}x{options.height}{frames}{anneal}"
     )
+
+
+def save_clip(
+    clip: Tensor,
+    out_dir: Path,
+    index: int,
+    prompt: str,
+    seed: int,
+    info: PngInfo,
+    output: ClipOutput,
+) -> tuple[list[Path], int]:
+    """Write ``clip`` ``[3, T, H, W]`` in [0, 1] as ``NAME.png``, its frames side by side with
+    the parameters (:func:`save_new`: it claims the name), and ``NAME.FORMAT`` for each of
+    ``output.formats`` (created exclusively); returns the paths (the PNG last) and the next
+    index."""
+    frames = clip_frames(clip)
+    grid, index = save_new(clip_grid(frames), out_dir, index, prompt, seed, info)
+    paths = [grid.with_suffix(f".{fmt}") for fmt in output.formats]
+    for fmt, path in zip(output.formats, paths, strict=True):
+        with open(path, "xb") as handle:
+            CLIP_FORMATS[fmt](frames, handle, output.fps)
+    return [*paths, grid], index
 
 
 def base_model_forward(config: Config, backbone: Backbone) -> ModelForward:
@@ -245,7 +295,7 @@ def sample_checkpoint(
     checkpoint: str | Path, request: SampleRequest, out_dir: str | Path
 ) -> list[Path]:
     """Generate ``request`` with the model at ``checkpoint`` (:func:`open_model`); returns the
-    written PNG paths.
+    written paths (a clip's: its files, then its PNG; :func:`save_clip`).
 
     Each PNG carries its parameters in a ``parameters`` text chunk (as A1111 writes them), and
     is named :func:`image_name`: numbered on from the folder's images, never overwriting one.
@@ -260,6 +310,9 @@ def sample_checkpoint(
             f"--num and --batch-size must be >= 1, got {request.num_images} and "
             f"{request.batch_size}"
         )
+    if request.frames is not None and request.frames < 1:
+        raise ValueError(f"--frames must be >= 1, got {request.frames}")
+    check_clip_formats(request.formats, "--format")  # before the model loads
     prompts = request.all_prompts()  # a bad prompt file or spec fails before loading
     if not prompts:  # the run's validation prompts, read before the model loads
         config = (
@@ -283,16 +336,35 @@ def sample_checkpoint(
             count = min(shared.batch_size, shared.num_images - first)
             seed = prompt_options.seed + first
             options = replace(prompt_options, seed=seed)
-            images = generate_prompt(model, prompt.text, options, count, shared, anneal)
-            for offset, image in enumerate(to_pil(images)):
+            samples = generate_prompt(model, prompt.text, options, count, shared, anneal)
+            for offset, sample in enumerate(samples):
                 info = PngInfo()
                 parameters = parameters_text(prompt.text, options, shared, seed + offset)
                 info.add_text("parameters", parameters)
-                path, index = save_new(image, out_dir, index, prompt.text, seed + offset, info)
+                paths, index = save_sample(
+                    sample, out_dir, index, prompt.text, seed + offset, info, shared.clips
+                )
                 if request.captions:
-                    write_caption(path, prompt.text)
-                written.append(path)
+                    write_caption(paths[-1], prompt.text)
+                written += paths
     return written
+
+
+def save_sample(
+    sample: Tensor,
+    out_dir: Path,
+    index: int,
+    prompt: str,
+    seed: int,
+    info: PngInfo,
+    clips: ClipOutput | None,
+) -> tuple[list[Path], int]:
+    """An image ``[3, H, W]`` as a PNG (:func:`save_new`), or a clip ``[3, T, H, W]`` as its
+    files (:func:`save_clip`); the paths written (the PNG last) and the next index."""
+    if clips is not None:
+        return save_clip(sample, out_dir, index, prompt, seed, info, clips)
+    path, index = save_new(to_pil(sample[None])[0], out_dir, index, prompt, seed, info)
+    return [path], index
 
 
 def write_caption(image_path: Path, prompt: str) -> None:
@@ -311,8 +383,11 @@ def generate_prompt(
     anneal: Annealing | None,
 ) -> Tensor:
     """``num_images`` images of ``prompt``, ``[k, 3, H, W]`` in [0, 1], image i from seed
-    ``options.seed + i``."""
-    return generate(
+    ``options.seed + i``; with ``shared.clips``, clips ``[k, 3, T, H, W]``."""
+    clips = shared.clips
+    one_frame = clips is not None and clips.generate_frames is None  # an image model's
+    frames = {} if clips is None or one_frame else {"frames": clips.generate_frames}
+    samples = generate(
         model.backbone,
         [prompt] * num_images,
         negative_prompt=options.negative_prompt,
@@ -324,5 +399,7 @@ def generate_prompt(
         height=options.height,
         width=options.width,
         anneal=anneal,
+        **frames,
         **model_sampling_options(model, shared.spacing),
     )
+    return samples[:, :, None] if one_frame else samples

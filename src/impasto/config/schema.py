@@ -40,6 +40,7 @@ from impasto.config.section import (
     Section,
     Seed,
 )
+from impasto.config.video import DEFAULT_TEMPORAL_COMPRESSION, MAX_FRAMES, frame_rule_problem
 
 CONFIG_VERSION = 1
 
@@ -320,6 +321,11 @@ class SampleConfig(Section):
         "impasto sample: image i of each prompt uses seed + i",
     )
     resolution: Resolution | None = Field(None, description="default: data.resolution")
+    frames: Int | None = Field(
+        None, ge=1, le=MAX_FRAMES,
+        description="samples are clips of this many frames, k·4+1 (a video model; "
+        "docs/video.md); null: images",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _check(self) -> SampleConfig:
@@ -448,6 +454,17 @@ class Config(Section):
                 f"ema.device: cpu keeps full copies on the host, but parallel.strategy {strategy} "
                 "shards the EMA like its weights; set ema.device: same"
             )
+
+    @model_validator(mode="after")
+    def _sample_frames_fit(self) -> Config:
+        # The video autoencoder's frame rule; data.video says its temporal compression.
+        video = self.data.video
+        step = DEFAULT_TEMPORAL_COMPRESSION if video is None else video.temporal_compression
+        frames = self.sample.frames
+        problem = None if frames is None else frame_rule_problem("sample.frames", frames, step)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _sampler_steps_fit(self) -> Config:

@@ -16,6 +16,18 @@ from impasto.config.section import Float, Int, Section
 
 MAX_FRAMES = 4097  # frames per clip (Wan trains 81, MovieGen 256)
 MAX_CLIPS_PER_VIDEO = 10_000
+DEFAULT_TEMPORAL_COMPRESSION = 4  # Wan 2.1's and HunyuanVideo's VAEs: clips of k·4+1 frames
+
+
+def frame_rule_problem(key: str, frames: int, step: int) -> str | None:
+    """Why ``frames`` (the value of ``key``) is not a frame count a causal video autoencoder
+    with temporal compression ``step`` encodes, ``k·step + 1 >= 1`` (its first frame alone,
+    then ``step`` frames per latent frame), naming the nearest valid counts; None if it is."""
+    if frames >= 1 and (frames - 1) % step == 0:
+        return None
+    lower = max(1, (frames - 1) // step * step + 1)
+    nearest = str(lower) if frames < 1 else f"{lower} or {lower + step}"
+    return f"{key} must be k·{step}+1 (the autoencoder's frame rule), got {frames}; use {nearest}"
 
 
 class VideoConfig(Section):
@@ -46,20 +58,18 @@ class VideoConfig(Section):
         1, ge=1, le=MAX_FRAMES, description="a video whose clip would be shorter is left out"
     )
     temporal_compression: Int = Field(
-        4, ge=1, le=64,
+        DEFAULT_TEMPORAL_COMPRESSION, ge=1, le=64,
         description="the video autoencoder's frames per latent frame (Wan 2.1: 4, clips of "
         "k·4+1 frames); the run checks it against the autoencoder",
     )  # fmt: skip
 
     @model_validator(mode="after")
     def _fits_together(self) -> VideoConfig:
-        step = self.temporal_compression
-        if (self.num_frames - 1) % step:
-            lower = (self.num_frames - 1) // step * step + 1
-            raise ValueError(
-                f"data.video.num_frames must be k·{step}+1 (the autoencoder's frame rule), got "
-                f"{self.num_frames}; use {lower} or {lower + step}"
-            )
+        problem = frame_rule_problem(
+            "data.video.num_frames", self.num_frames, self.temporal_compression
+        )
+        if problem:
+            raise ValueError(problem)
         if self.fps is not None and self.frame_stride != 1:
             raise ValueError("data.video: set fps or frame_stride, not both")
         if self.min_frames > self.num_frames:

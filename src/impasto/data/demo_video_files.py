@@ -11,27 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 from PIL import Image
 
+from impasto.video_files import import_av, write_mp4
+
 DEMO_VIDEO_FPS = 8
-# Constant quality: 12 is visually lossless for flat colours (the default, 23, smears the
-# shape's edges at 32 px); the rate stays tiny either way.
-MP4_CRF = 12
-
-
-def import_av() -> ModuleType:
-    """PyAV, or a one-line error that says how to install it."""
-    try:
-        import av
-    except ImportError:
-        raise ValueError(
-            "demo video: .mp4 clips need PyAV: pip install 'impasto[video]' (in a checkout: "
-            "pip install -e '.[video]')"
-        ) from None
-    return av
+AV_PURPOSE = "demo video: an .mp4 clip"  # what import_av says needs PyAV
 
 
 def _write_frames(frames: np.ndarray, stem: Path) -> Path:
@@ -43,20 +30,8 @@ def _write_frames(frames: np.ndarray, stem: Path) -> Path:
 
 
 def _write_mp4(frames: np.ndarray, stem: Path) -> Path:
-    av = import_av()
     path = stem.with_suffix(".mp4")
-    height, width = frames.shape[1:3]
-    with av.open(str(path), mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=DEMO_VIDEO_FPS)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        # mbtree off: with it, libx264 gave other bytes for the same tiny clip now and then
-        # (decoded pixels up to 20 levels apart); without it, and on one thread, the same bytes.
-        stream.options = {"crf": str(MP4_CRF), "threads": "1", "x264-params": "mbtree=0"}
-        for index, frame in enumerate(frames):
-            picture = av.VideoFrame.from_ndarray(frame, format="rgb24")
-            picture.pts = index
-            container.mux(stream.encode(picture))
-        container.mux(stream.encode())  # flush the encoder's delayed frames
+    write_mp4(frames, path, DEMO_VIDEO_FPS)
     return path
 
 
@@ -72,7 +47,7 @@ def check_clip_format(fmt: str, size: int) -> None:
     if fmt not in CLIP_WRITERS:
         raise ValueError(f"demo video: unknown format {fmt!r}; valid: {', '.join(CLIP_WRITERS)}")
     if fmt == "mp4":
-        import_av()
+        import_av(AV_PURPOSE)
         if size % 2:
             raise ValueError(f"demo video: .mp4 needs an even size (yuv420p), got {size}")
 
@@ -87,7 +62,7 @@ def load_demo_clip(path: str | Path) -> np.ndarray:
         return np.stack([np.asarray(Image.open(name).convert("RGB")) for name in names])
     if not path.exists():
         raise FileNotFoundError(f"demo video: {path} does not exist")
-    av = import_av()
+    av = import_av(AV_PURPOSE)
     with av.open(str(path)) as container:
         frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
     return np.stack(frames)

@@ -101,11 +101,16 @@ def font_size(cell_width: int) -> int:
 
 
 def labelled_grid(
-    images: list[Tensor], labels: list[CellLabel], header: str, num_columns: int
+    images: list[Tensor],
+    labels: list[CellLabel],
+    header: str,
+    num_columns: int,
+    text_width: int | None = None,
 ) -> Grid:
     """Tile ``images`` (each ``[3, h, w]`` in [0, 1], sizes may differ), ``num_columns`` per
     row, each enlarged to :data:`MIN_CELL_WIDTH` and captioned with its label, under a line
-    of ``header`` text."""
+    of ``header`` text. The text is sized for cells ``text_width`` pixels wide (default: the
+    cells' width; a row of a clip's frames passes one frame's)."""
     if len(images) != len(labels) or not images:
         raise ValueError(f"need one label per image, got {len(images)} and {len(labels)}")
     if num_columns < 1:
@@ -114,7 +119,8 @@ def labelled_grid(
     cells = [upscale_nearest(cell, upscale_factor(cell.shape[1])) for cell in cells]
     cell_width = max(cell.shape[1] for cell in cells)
     cell_height = max(cell.shape[0] for cell in cells)
-    font, header_font = load_font(font_size(cell_width)), load_font(font_size(cell_width) * 3 // 2)
+    size = font_size(cell_width if text_width is None else text_width)
+    font, header_font = load_font(size), load_font(size * 3 // 2)
     line_height = sum(font.getmetrics()) + 2
     label_height = (PROMPT_LINES + 1) * line_height + PADDING
     header_height = sum(header_font.getmetrics()) + 2 * PADDING

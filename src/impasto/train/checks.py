@@ -230,6 +230,11 @@ def model_problems(config: Config) -> list[str]:
             f"data.video: the {model.family} family trains on images, not clips; use "
             f"model.family: {clips or 'a family that takes clips'}, or remove data.video"
         )
+    if (config.sample.frames or 1) > 1 and not spec.video:
+        problems.append(
+            f"sample.frames: the {model.family} family samples images, not clips; remove "
+            "sample.frames"
+        )
     for key in config.parts.model_extra or {}:
         name = key.removesuffix("_lr")
         if name not in spec.parts:

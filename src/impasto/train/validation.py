@@ -1,5 +1,6 @@
 """Validation samples during training: a labelled grid of the run's prompts, to disk and
-TensorBoard.
+TensorBoard; with ``sample.frames``, clips: a row of each clip's frames, and an animated preview
+of each (:func:`write_clip_previews`).
 
 The prompts are ``sample.prompts``, then the lines of ``sample.prompts_file``, each with the
 options its line sets (kohya's ``--n --w --h --s --d --l``; :mod:`impasto.sampling.prompt_file`).
@@ -24,16 +25,26 @@ from torch import Tensor
 from impasto.config import Config
 from impasto.config.schema import SampleConfig
 from impasto.faults import writing
-from impasto.inference import model_sampling_options
+from impasto.inference import model_sampling_options, prompt_slug
 from impasto.models.backbone import Backbone
+from impasto.sample_clips import clip_fps, clip_frames_option
 from impasto.sampling import generate
-from impasto.sampling.grid import CellLabel, labelled_grid
+from impasto.sampling.grid import CellLabel, labelled_grid, upscale_factor
 from impasto.sampling.prompt_file import (
     PromptOptions,
     SamplePrompt,
     grid_seeded,
     listed_prompts,
 )
+from impasto.video_files import (
+    CLIP_FORMATS,
+    clip_frames,
+    grid_frame_indices,
+    has_av,
+    tile_frames,
+)
+
+MIN_FRAME_WIDTH = 128  # pixels; a validation clip's narrower frames are enlarged to reach it
 
 
 def validation_prompts(sample: SampleConfig) -> list[SamplePrompt]:
@@ -77,8 +88,13 @@ def sample_defaults(config: Config) -> PromptOptions:
 
 
 def sample_batches(config: Config, backbone: Backbone, batches: list[PromptBatch]) -> list[Tensor]:
-    """Each batch's images ``[n·images_per_prompt, 3, H, W]`` float32 in [0, 1]."""
+    """Each batch's images ``[n·images_per_prompt, 3, H, W]`` float32 in [0, 1]; with
+    ``sample.frames``, clips ``[n·images_per_prompt, 3, T, H, W]``."""
     sample = config.sample
+    frames = {}
+    if sample.frames is not None:
+        generated = clip_frames_option(backbone, sample.frames, "sample.frames")
+        frames = {} if generated is None else {"frames": generated}
     images = []
     for batch in batches:
         options = batch.options
@@ -95,9 +111,12 @@ def sample_batches(config: Config, backbone: Backbone, batches: list[PromptBatch
                 seed=options.seed,
                 height=options.height,
                 width=options.width,
+                **frames,
                 **model_sampling_options(config),
             )
         )
+    if sample.frames is not None and not frames:  # an image model's one-frame clips
+        images = [batch[:, :, None] for batch in images]
     return images
 
 
@@ -118,20 +137,59 @@ def grid_columns(num_prompts: int, images_per_prompt: int) -> int:
 class ValidationGrid:
     """One validation round: where the grid goes, the labelled grid ``[3, H, W]`` in [0, 1],
     the images as generated (``[N, 3, h, w]``; a list of ``[3, h_i, w_i]`` when a prompt file
-    gives prompts different sizes), the prompt of each image (``images_per_prompt``
-    consecutive images per prompt) and the grid as drawn (what the PNG file holds)."""
+    gives prompts different sizes; clips ``[N, 3, T, h, w]``), the prompt of each image
+    (``images_per_prompt`` consecutive images per prompt), the grid as drawn (what the PNG file
+    holds) and, for clips, their frame rate."""
 
     path: Path
     grid: Tensor
     images: Tensor | list[Tensor]
     prompts: list[str]
     drawn: Image.Image
+    clip_fps: float | None = None  # None: images
 
     def save(self) -> None:
-        """Write the PNG file (rank 0 of a parallel run)."""
+        """Write the PNG file, and each clip's previews (rank 0 of a parallel run)."""
         with writing(self.path, "samples.write"):  # a full disk fails PIL's close(), unnamed
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.drawn.save(self.path)
+        if self.clip_fps is not None:
+            write_clip_previews(self.path.with_suffix(""), self.images, self.prompts, self.clip_fps)
+
+
+def write_clip_previews(
+    folder: Path, clips: Tensor | list[Tensor], prompts: list[str], fps: float
+) -> list[Path]:
+    """Each clip ``[3, T, H, W]`` as ``folder/INDEX-SLUG.webp`` (lossless, looping) and, when
+    PyAV is installed, ``.mp4``, INDEX its place in the grid; returns the paths."""
+    formats = ["webp", *(["mp4"] if has_av() else [])]
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for index, (clip, prompt) in enumerate(zip(clips, prompts, strict=True)):
+        frames = clip_frames(clip)
+        for fmt in formats:
+            path = folder / f"{index:03d}-{prompt_slug(prompt)}.{fmt}"
+            with writing(path, "samples.write"):
+                CLIP_FORMATS[fmt](frames, path, fps)
+            written.append(path)
+    return written
+
+
+def clip_row(clip: Tensor) -> Tensor:
+    """A clip ``[3, T, H, W]`` in [0, 1] as one image ``[3, h, w]`` of its frames side by side
+    (:func:`~impasto.video_files.grid_frame_indices`), enlarged to :data:`MIN_FRAME_WIDTH`."""
+    frames = clip_frames(clip)[grid_frame_indices(clip.shape[1])]
+    factor = upscale_factor(frames.shape[2], MIN_FRAME_WIDTH)
+    row = tile_frames(frames, len(frames), factor)
+    return torch.from_numpy(row).permute(2, 0, 1).float() / 255.0
+
+
+def labelled_clip_grid(clips: list[Tensor], labels: list[CellLabel], header: str) -> Image.Image:
+    """The validation grid of clips ``[3, T, H, W]``: one row per clip (:func:`clip_row`), its
+    label under it in text sized for one frame."""
+    widths = [clip.shape[-1] * upscale_factor(clip.shape[-1], MIN_FRAME_WIDTH) for clip in clips]
+    rows = [clip_row(clip) for clip in clips]
+    return labelled_grid(rows, labels, header, 1, text_width=max(widths)).image
 
 
 def write_validation_grid(
@@ -170,7 +228,11 @@ def render_validation_grid(
         for row, text in enumerate(t for t in batch.prompts for _ in range(per_prompt))
     ]
     header = f"{run_dir.name}  step {step}"
-    grid = labelled_grid(images, labels, header, grid_columns(len(prompts), per_prompt)).image
+    if config.sample.frames is None:
+        columns = grid_columns(len(prompts), per_prompt)
+        grid = labelled_grid(images, labels, header, columns).image
+    else:
+        grid = labelled_clip_grid(images, labels, header)
     chw = torch.from_numpy(np.asarray(grid).copy()).permute(2, 0, 1).float() / 255.0
     same_size = len({tuple(image.shape) for image in images}) == 1
     return ValidationGrid(
@@ -179,4 +241,5 @@ def render_validation_grid(
         torch.stack(images) if same_size else images,
         [label.prompt for label in labels],
         grid,
+        None if config.sample.frames is None else clip_fps(config),
     )

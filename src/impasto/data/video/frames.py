@@ -28,6 +28,7 @@ from PIL import Image
 from impasto.data.folder import IMAGE_EXTENSIONS
 from impasto.data.skips import error_reason
 from impasto.data.transforms import IMAGE_LOAD_ERRORS
+from impasto.video_files import import_av  # PyAV on first use; "video data needs PyAV: ..."
 
 VIDEO_EXTENSIONS: tuple[str, ...] = (".gif", ".m4v", ".mkv", ".mov", ".mp4", ".webm")
 """Lower-case suffixes a folder scan reads as videos (any letter case); PyAV reads more."""
@@ -39,18 +40,6 @@ FALLBACK_FPS = 24.0  # spaces frames without a pts when the stream has no rate e
 REENCODE = "re-encode it (ffmpeg -i FILE -c:v libx264 -pix_fmt yuv420p OUT.mp4) or remove it"
 RESAVE = "re-save the image or remove it"
 EMPTY_FIX = "copy it again or remove it"
-
-
-def import_av() -> ModuleType:
-    """PyAV, imported on first use: the ``video`` extra."""
-    try:
-        import av
-    except ImportError:
-        raise ValueError(
-            "video data needs PyAV: pip install 'impasto[video]' (in a checkout: "
-            "pip install -e '.[video]')"
-        ) from None
-    return av
 
 
 class ClipBlob(Protocol):
