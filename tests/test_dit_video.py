@@ -300,14 +300,22 @@ def test_video_fields_round_trip_through_an_exported_folder(tiny_raw, tmp_path):
     from impasto.models.dit.files import save_dit_folder
     from impasto.models.exported import RECORD_FILE
 
-    options = {"attention": "spatiotemporal", "frame_patch": 2, "kernel": "sdpa"}
-    tiny_raw["model"] = {"family": "dit", "preset": "tiny", "dit": options}
+    from test_video_vae import tiny_wan_vae
+
+    tiny_wan_vae(0).save_pretrained(tmp_path / "wan", safe_serialization=True)
+    options = {"attention": "spatiotemporal", "frame_patch": 2, "kernel": "sdpa",
+               "autoencoder": "video"}  # fmt: skip
+    tiny_raw["model"] = {"family": "dit", "preset": "tiny", "dit": options,
+                         "vae": str(tmp_path / "wan")}  # fmt: skip
     backbone = build_backbone(build_config(tiny_raw))
     config = backbone.components.transformer.config
     assert (config.attention, config.frame_patch, backbone.kernel) == ("spatiotemporal", 2, "sdpa")
-    assert backbone.sequence_length(64, 64, frames=4) == 2 * 4 * 4
-    with pytest.raises(ValueError, match=r"^model\.dit\.frame_patch 2 does not divide 3 latent"):
-        backbone.sequence_length(64, 64, frames=3)
+    # 13 frames: 4 latent frames, 2 token frames of 4x4 patches at 64 px
+    assert backbone.sequence_length(64, 64, frames=13) == 2 * 4 * 4
+    with pytest.raises(ValueError, match=r"^model\.dit\.frame_patch 2 does not divide the 3 "):
+        backbone.sequence_length(64, 64, frames=9)
+    with pytest.raises(ValueError, match=r"takes k·4\+1 frames .* e\.g\. 9 or 13"):
+        backbone.sequence_length(64, 64, frames=10)
     targets = backbone.adapter_targets("transformer", "attention")
     assert "blocks.0.attn_temporal.to_q" in targets and "blocks.5.attn_temporal.to_out" in targets
     plan = backbone.tensor_parallel_plan()

@@ -18,6 +18,7 @@ from diffusers import AutoencoderKL
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
+from impasto.models import autoencoder
 from impasto.models.backbone import FamilySpec, register_backbone, register_family
 from impasto.models.dit.backbone import PART_NAMES, DiTBackbone, DiTComponents
 from impasto.models.dit.files import save_dit_folder
@@ -82,7 +83,7 @@ def build_preset(
         text_dim, pooled_dim = text_dims(texts)
         config = DiTConfig(
             size=size, block=options.block, patch_size=options.patch_size,
-            in_channels=int(vae.config.latent_channels), text_dim=text_dim,
+            in_channels=autoencoder.latent_format(vae)[0], text_dim=text_dim,
             pooled_dim=pooled_dim, qk_norm=options.qk_norm, position=options.position,
             max_grid=options.max_grid,
             text_tokens=options.text_length if texts.encoder_2 is not None else None,
@@ -100,9 +101,11 @@ def load_autoencoder(path: str | None, kind: str) -> nn.Module:
     ``AutoencoderKL``); ``video``, the demo video VAE or ``model.vae`` (Wan 2.1's
     ``AutoencoderKLWan`` folder)."""
     if kind == "video":
-        from impasto.models.video_autoencoder import load_demo_video_vae, load_video_vae
+        from impasto.models import video_autoencoder
 
-        return load_demo_video_vae() if path is None else load_video_vae(path)
+        if path is None:
+            return video_autoencoder.load_demo_video_vae()
+        return video_autoencoder.load_video_vae(path)
     vae = load_demo_vae()
     if path is not None:
         from impasto.models.vae_swap import load_vae

@@ -131,6 +131,16 @@ BLOCK_ATTENTION: dict[str, Callable[[int], tuple[str, str | None]]] = {
 attention's layout or None): see the module docstring."""
 
 
+def per_token(vectors: Tensor, document: Tensor | None) -> Tensor:
+    """Each token's row of ``vectors`` ``[N, ·]`` (a pack: ``document`` ``[S]`` says whose;
+    ``[1, S, ·]``), or each sample's broadcast over its tokens (``[B, 1, ·]``).
+    ``index_select``, not ``vectors[document]``: indexing's backward accumulates with atomic
+    adds on a multi-threaded CPU, in an order that changes from run to run."""
+    if document is None:
+        return vectors[:, None]
+    return vectors.index_select(0, document)[None]
+
+
 def _norm(config: DiTConfig, affine: bool = False) -> nn.Module:
     dim = config.hidden_size
     if config.block == "llama":
@@ -174,7 +184,7 @@ class Block(nn.Module):
         or a pack's N samples gathered per token through ``document`` ``[S]``);
         ``attend_temporal``: the temporal attention of a spatiotemporal block."""
         vectors = self.modulation(modulation_input)
-        vectors = vectors[document][None] if document is not None else vectors[:, None]
+        vectors = per_token(vectors, document)
         chunks = vectors.chunk(self.num_modulations, dim=-1)
         shift1, scale1, gate1, shift2, scale2, gate2 = chunks[:6]
         x = x + gate1 * self.attn(modulate(self.norm1(x), shift1, scale1), attend_self, rope=rope)
@@ -206,7 +216,7 @@ class FinalLayer(nn.Module):
 
     def forward(self, x: Tensor, modulation_input: Tensor, document: Tensor | None) -> Tensor:
         vectors = self.modulation(modulation_input)
-        vectors = vectors[document][None] if document is not None else vectors[:, None]
+        vectors = per_token(vectors, document)
         shift, scale = vectors.chunk(2, dim=-1)
         return self.linear(modulate(self.norm(x), shift, scale))
 
