@@ -56,8 +56,8 @@ def clip_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def scan(folder: Path):
-    return clip_folder_scan(SimpleNamespace(path=str(folder)), Path("unused"))
+def scan(folder: Path, index_dir: Path | None = None):
+    return clip_folder_scan(SimpleNamespace(path=str(folder)), index_dir or folder / ".index")
 
 
 def test_a_clip_folder_reads_videos_frame_folders_and_images_and_lists_the_broken(clip_folder):
@@ -195,3 +195,58 @@ def test_a_video_run_of_an_image_family_is_refused_in_one_line(tiny_raw):
     problems = config_problems(build_config(raw))
     assert any(p.startswith("data.video: the sdxl family trains on images") for p in problems)
     assert any(p.startswith("cache.latents: disk does not hold clips yet") for p in problems)
+
+
+def test_the_probe_index_decodes_each_clip_once_until_it_changes(clip_folder, tmp_path, monkeypatch):
+    import shutil
+
+    import impasto.data.video.scan as scan_module
+
+    copy = tmp_path / "clips"
+    shutil.copytree(clip_folder / "demo", copy)
+    probed: list[str] = []
+    real = scan_module.probe_clip
+
+    def counting(source, name=None, fps=None):
+        probed.append(Path(str(source)).name)
+        return real(source, name, fps)
+
+    monkeypatch.setattr(scan_module, "probe_clip", counting)
+    index_dir = tmp_path / "index"
+    first = scan(copy, index_dir)
+    assert sorted(probed) == ["clip-00000", "clip-00001", "clip-00002", "clip-00003"]
+    probed.clear()
+    again = scan(copy, index_dir)
+    assert probed == []  # every probe from the index
+    assert [r.clip.info for r in again.records] == [r.clip.info for r in first.records]
+    (copy / "clip-00001" / "008.png").unlink()  # a frame folder loses its last frame
+    changed = scan(copy, index_dir)
+    assert probed == ["clip-00001"]
+    counts = {Path(r.image_path).name: r.clip.info.num_frames for r in changed.records}
+    assert counts["clip-00001"] == 8 and counts["clip-00000"] == 17
+    [index] = index_dir.glob("clips-*.json")
+    index.write_text("{not json")  # a damaged index: everything is probed again
+    probed.clear()
+    assert len(scan(copy, index_dir).records) == 4 and len(probed) == 4
+
+
+def test_a_manifest_lists_videos_frame_folders_and_images(clip_folder, tmp_path):
+    import json
+
+    from impasto.data.video.records import clip_manifest_scan
+
+    manifest = tmp_path / "clips.jsonl"
+    rows = [
+        {"video": str(clip_folder / "demo" / "clip-00000"), "caption": "first", "weight": 2},
+        {"image": str(clip_folder / "still.png"), "caption": "a still"},
+        {"video": str(clip_folder / "broken.mp4"), "caption": "broken"},
+        {"caption": "no path"},
+    ]
+    manifest.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    found = clip_manifest_scan(SimpleNamespace(path=str(manifest)), tmp_path / "index")
+    assert [(Path(r.image_path).name, r.caption, r.weight) for r in found.records] == [
+        ("clip-00000", "first", 2.0), ("still.png", "a still", 1.0)]  # fmt: skip
+    assert found.records[0].clip.info.num_frames == 17 and found.records[1].clip is None
+    reasons = {Path(item.name).name: item.reason for item in found.skipped}
+    assert reasons["clips.jsonl line 4"] == "no 'video' or 'image' field"
+    assert reasons["broken.mp4"].startswith("is not a video PyAV can")

@@ -309,11 +309,13 @@ def _manifest_rows(path: Path) -> list[tuple[str, object]]:
         raise UnreadableSource(str(path), f"cannot be read ({error_reason(error)})") from None
 
 
-def scan_manifest(path: Path) -> Scan:
+def scan_manifest(path: Path, columns: tuple[str, ...] = ("image",)) -> Scan:
     """The rows of a JSONL (``.jsonl``) or CSV (``.csv``) manifest (module docstring).
 
     A row without ``image``, a line that is not JSON, or a weight that is not a number > 0 is
     left out and named (``file line N`` / ``file row N``) in ``skipped`` with the reason.
+    ``columns``: where a row's path may be, the first given wins (a video run's manifest:
+    ``video``, else ``image``).
 
     Raises:
         ValueError: no such file, an unknown suffix, or no usable rows;
@@ -333,15 +335,16 @@ def scan_manifest(path: Path) -> Scan:
         if isinstance(row, ValueError):
             scan.skip(name, str(row))
             continue
-        if not isinstance(row, dict) or not row.get("image"):
-            scan.skip(name, "no 'image' field")
+        column = next((c for c in columns if isinstance(row, dict) and row.get(c)), None)
+        if column is None:
+            scan.skip(name, f"no {' or '.join(repr(c) for c in columns)} field")
             continue
         try:
             weight = row_weight(row.get("weight"))
         except ValueError as error:
             scan.skip(name, str(error))
             continue
-        image = Path(row["image"])
+        image = Path(row[column])
         image = image if image.is_absolute() else path.parent / image
         scan.records.append(ImageRecord(image, str(row.get("caption") or "").strip(), weight))
     if not scan.records:

@@ -23,12 +23,13 @@ from typing import Any
 import torch
 from PIL import Image
 
-from impasto.data.folder import IMAGE_EXTENSIONS, ImageRecord, Scan
+from impasto.data.folder import IMAGE_EXTENSIONS, ImageRecord, Scan, scan_manifest
 from impasto.data.skips import SCANNED, Skipped
 from impasto.data.video.frames import UnreadableClip
 from impasto.data.video.probe import ClipInfo, decode_frames
 from impasto.data.video.sampling import ClipSampling, clip_length, frame_grid, sample_clips
-from impasto.data.video.scan import probe_clips, scan_clip_folder
+from impasto.data.video.index import index_file, probe_indexed
+from impasto.data.video.scan import ClipRecord, scan_clip_folder
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,11 @@ def is_image_file(path: Path | str) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS and not path.is_dir()
 
 
-def clip_folder_scan(source: Any, index_dir: Path) -> Scan:
-    """A folder source read as clips (:func:`~impasto.data.video.scan.scan_clip_folder`):
-    every video and frame folder probed (frames counted by decoding), those that do not decode
-    left out with the reason; images become one-frame records."""
-    found = scan_clip_folder(Path(source.path))
-    probed, broken = probe_clips(found.records)
+def probed_scan(found: Sequence[ClipRecord], skipped: list[Skipped], index: Path | None) -> Scan:
+    """``found`` probed (frames counted by decoding, or read from the probe ``index``:
+    :mod:`impasto.data.video.index`): videos and frame folders as clip records, images as
+    one-frame records; those that do not decode left out with the reason, after ``skipped``."""
+    probed, broken = probe_indexed(found, index)
     records = []
     for record, info in probed:
         size = (info.height, info.width)
@@ -73,10 +73,30 @@ def clip_folder_scan(source: Any, index_dir: Path) -> Scan:
             slot = ClipSlot(info)
             records.append(ImageRecord(record.path, record.caption, record.weight,
                                        blob=record.blob, size=size, clip=slot))  # fmt: skip
-    return Scan(records, found.skipped + broken)
+    return Scan(records, skipped + broken)
 
 
-CLIP_SOURCE_READERS = {"folder": clip_folder_scan}
+def clip_folder_scan(source: Any, index_dir: Path) -> Scan:
+    """A folder source read as clips (:func:`~impasto.data.video.scan.scan_clip_folder`)."""
+    found = scan_clip_folder(Path(source.path))
+    return probed_scan(found.records, found.skipped, index_file(index_dir, source.path))
+
+
+def clip_manifest_scan(source: Any, index_dir: Path) -> Scan:
+    """A JSONL or CSV manifest read as clips: each row's ``video`` (else ``image``) is a
+    video, a frame folder or an image, with its ``caption`` and ``weight``."""
+    path = Path(source.path)
+    if path.suffix == ".parquet":
+        raise ValueError(
+            f"data: manifest {path}: Parquet manifests do not read clips yet (data.video); "
+            "write the rows as .jsonl or .csv"
+        )
+    rows = scan_manifest(path, columns=("video", "image"))
+    found = [ClipRecord(r.image_path, r.caption, r.weight) for r in rows.records]
+    return probed_scan(found, rows.skipped, index_file(index_dir, path))
+
+
+CLIP_SOURCE_READERS = {"folder": clip_folder_scan, "manifest": clip_manifest_scan}
 """``data.source`` → its reader in a video run (``data.video``)."""
 
 
@@ -85,8 +105,8 @@ def clip_reader(kind: str):
     read clips yet."""
     if kind not in CLIP_SOURCE_READERS:
         raise ValueError(
-            f"data.source {kind}: clips are read from folders only so far (data.video); put "
-            "the videos in a folder with their captions, or remove data.video"
+            f"data.source {kind}: clips are read from folders and manifests so far "
+            "(data.video); list the videos in a .jsonl manifest, or remove data.video"
         )
     return CLIP_SOURCE_READERS[kind]
 
@@ -165,6 +185,7 @@ __all__ = [
     "ClipSlot",
     "UnreadableClip",
     "clip_folder_scan",
+    "clip_manifest_scan",
     "clip_frame_indices",
     "clip_frames",
     "clip_reader",
