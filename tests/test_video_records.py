@@ -194,7 +194,7 @@ def test_a_video_run_of_an_image_family_is_refused_in_one_line(tiny_raw):
     raw["cache"] = {"latents": "disk"}
     problems = config_problems(build_config(raw))
     assert any(p.startswith("data.video: the sdxl family trains on images") for p in problems)
-    assert any(p.startswith("cache.latents: disk does not hold clips yet") for p in problems)
+    assert any(p.startswith("cache.latents: disk caches each clip's frames once") for p in problems)
 
 
 def test_the_probe_index_decodes_each_clip_once_until_it_changes(clip_folder, tmp_path, monkeypatch):

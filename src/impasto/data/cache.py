@@ -6,6 +6,8 @@ return a stale value, and an unchanged one is never encoded twice:
 - latents: the image's content (sha256 of its bytes), the VAE's weights fingerprint and dtype,
   and every transform parameter (original size, resize, crop offsets, flip, target size,
   filter); the value is the posterior's mean and std (training draws the latent, as on the fly);
+  a video run's: the clip's content (a video's bytes, a frame folder's frames), its decoded
+  frame indices and the same, the value ``[z, t, h, w]`` (:mod:`impasto.data.video.clip_cache`);
 - text: the caption text after the caption tools, and the fingerprint of both text encoders,
   both tokenizers and the precision they ran in; the value is SDXL's prompt embeddings and the
   pooled embedding.
@@ -58,6 +60,7 @@ from impasto.data.cache_shards import (
 from impasto.data.cache_shards import ShardWriter as ShardWriter  # re-exported
 from impasto.data.folder import ImageRecord
 from impasto.data.skips import error_reason
+from impasto.data.video.content import clip_sha256, clip_stat_identity
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,18 @@ def latent_key(image: ImageId, params: BucketCrop, vae_fingerprint: str, dtype: 
     )  # fmt: skip
 
 
+def clip_latent_key(
+    clip: ImageId, frames: Sequence[int], params: BucketCrop, vae_fingerprint: str, dtype: str
+) -> str:
+    """The key of one clip sample's posterior: the clip's content, its decoded frame indices
+    (an image in a video run: ``(0,)``) and one transform of every frame."""
+    return _hash(
+        "clip-latents", CACHE_VERSION, clip.sha256, tuple(frames), vae_fingerprint, dtype,
+        params.original_size, params.resize_to, params.crop_top_left, params.target_size,
+        params.flip, params.resample,
+    )  # fmt: skip
+
+
 def text_key(caption: str, text_fingerprint: str, dtype: str) -> str:
     """The key of one caption's SDXL text conditioning."""
     return _hash("text", CACHE_VERSION, text_fingerprint, dtype, caption)
@@ -121,7 +136,10 @@ def text_key(caption: str, text_fingerprint: str, dtype: str) -> str:
 def record_identity(record: ImageRecord) -> str:
     """What says a record's bytes are unchanged: the file's stat; for a blob, its identity
     (file, offset, row ...) plus the stat of the local shard, Parquet file or dataset folder it
-    reads from (a remote shard is trusted to stay the same)."""
+    reads from (a remote shard is trusted to stay the same); for a video or frame folder, its
+    size and time or its listing (:func:`~impasto.data.video.content.clip_stat_identity`)."""
+    if record.blob is None and record.clip is not None:
+        return clip_stat_identity(record)
     if record.blob is None:
         return f"file|{_stat(record.image_path)}"
     container = getattr(record.blob, "path", None)
@@ -144,10 +162,15 @@ def _stat(path: str | Path) -> str:
 
 
 def compute_image_id(record: ImageRecord) -> ImageId:
-    """Read the image's bytes: their sha256, and the size from the header.
+    """Read the image's bytes: their sha256, and the size from the header (a clip record:
+    the hash of its frames, :func:`~impasto.data.video.content.clip_sha256`, and the probed
+    size).
 
     Raises the errors of :data:`~impasto.data.transforms.IMAGE_LOAD_ERRORS` when unreadable.
     """
+    if record.clip is not None:
+        info = record.clip.info
+        return ImageId(clip_sha256(record), info.height, info.width)
     data = record.read_bytes()
     if not data:
         raise ValueError("zero-size file")
@@ -217,6 +240,8 @@ class CachedEncodings:
             ``e % caption_variants`` of each caption (the variants the fill encoded).
         latent_channels: the VAE's latent channels (to catch mismatched entries).
         downsample: the VAE's spatial downsampling (8 for SDXL).
+        temporal_compression: a video run's frames per latent frame after the first (a clip
+            entry of ``T`` frames holds ``1 + (T − 1) / temporal_compression`` latent frames).
     """
 
     store: ShardStore
@@ -227,10 +252,18 @@ class CachedEncodings:
     caption_variants: int = 1
     latent_channels: int = 4
     downsample: int = 8
+    temporal_compression: int = 1
 
-    def posterior(self, image_id: ImageId, params: BucketCrop) -> tuple[Tensor, Tensor] | str:
-        """``(mean, std)`` of the image under ``params``, or why there is none."""
-        key = latent_key(image_id, params, self.vae_fingerprint, self.dtype)
+    def posterior(
+        self, image_id: ImageId, params: BucketCrop, frames: Sequence[int] | None = None
+    ) -> tuple[Tensor, Tensor] | str:
+        """``(mean, std)`` ``[C, h, w]`` of the image under ``params``, or why there is none;
+        with ``frames``, ``[C, t, h, w]`` of those frames of a clip
+        (:func:`clip_latent_key`)."""
+        if frames is None:
+            key = latent_key(image_id, params, self.vae_fingerprint, self.dtype)
+        else:
+            key = clip_latent_key(image_id, frames, params, self.vae_fingerprint, self.dtype)
         try:
             mean, std = self.store.get(f"{key}.mean"), self.store.get(f"{key}.std")
         except KeyError:
@@ -242,6 +275,9 @@ class CachedEncodings:
         height, width = params.target_size
         factor = self.downsample
         expected = (self.latent_channels, height // factor, width // factor)
+        if frames is not None:
+            latent_frames = 1 + (len(frames) - 1) // self.temporal_compression
+            expected = (expected[0], latent_frames, *expected[1:])
         if tuple(mean.shape) != expected or mean.shape != std.shape:
             return f"cache entry has shape {tuple(mean.shape)}, expected {expected}"
         return mean, std

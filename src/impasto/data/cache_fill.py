@@ -39,6 +39,7 @@ from impasto.data.cache_shards import verify_shards
 from impasto.data.captions import caption_tools_from
 from impasto.data.folder import ImageRecord
 from impasto.data.transforms import IMAGE_LOAD_ERRORS
+from impasto.data.video.clip_cache import fill_clip_latents
 from impasto.distributed import barrier, gather_to_all
 from impasto.models.backbone import Backbone
 
@@ -173,11 +174,13 @@ class CacheFill:
         cache = self.config.cache
         return ShardWriter(cache_dir(self.config), kind, self.rank, cache.shard_size_mb << 20)
 
-    def latents(
-        self, ids: Sequence[ImageId | None], bucket_of: Sequence[Bucket | None] | None, key_fp: str
-    ) -> None:
-        """Encode the posterior of every (image, transform outcome) not in the cache yet."""
-        data, cache, report = self.config.data, self.config.cache, self.report
+    def missing_latents(
+        self, ids: Sequence[ImageId | None], bucket_of: Sequence[Bucket | None] | None,
+        key_of: Callable[[int, ImageId, BucketCrop], str],
+    ) -> tuple[dict[str, tuple[int, BucketCrop]], list[str]]:  # fmt: skip
+        """Every (record, transform outcome) by its key ``key_of(index, id, params)``, and this
+        rank's share of the keys not in the cache yet (the found ones are counted)."""
+        data, report = self.config.data, self.report
         bucketed = bucket_of is not None
         transform = ImageTransform(data.resolution, data.crop, data.random_flip, bucketed)
         needed: dict[str, tuple[int, BucketCrop]] = {}
@@ -186,11 +189,21 @@ class CacheFill:
             if image_id is None or (bucketed and bucket is None):
                 continue
             for params in transform.every_params(image_id.height, image_id.width, bucket):
-                key = latent_key(image_id, params, key_fp, cache.dtype)
-                needed.setdefault(key, (index, params))
+                needed.setdefault(key_of(index, image_id, params), (index, params))
         missing = [key for key in needed if f"{key}.mean" not in self.store]
         report.latents_found += len(needed) - len(missing)
-        mine = split_for_rank(missing, self.rank, self.world)
+        return needed, split_for_rank(missing, self.rank, self.world)
+
+    def latents(
+        self, ids: Sequence[ImageId | None], bucket_of: Sequence[Bucket | None] | None, key_fp: str
+    ) -> None:
+        """Encode the posterior of every (image, transform outcome) not in the cache yet."""
+        cache, report = self.config.cache, self.report
+
+        def key_of(index: int, image_id: ImageId, params: BucketCrop) -> str:
+            return latent_key(image_id, params, key_fp, cache.dtype)
+
+        needed, mine = self.missing_latents(ids, bucket_of, key_of)
         mine.sort(key=lambda key: needed[key][1].target_size)  # batches of one size
         writer, dtype = self.writer("latents"), DTYPES[cache.dtype]
         progress = tqdm(total=len(mine), desc="cache latents", unit="img", disable=self.quiet(mine))
@@ -274,7 +287,10 @@ def fill_cache(
     latents_fp = text_fp = None
     if config.cache.latents == "disk":
         latents_fp = encoder_fingerprint(backbone, "latents")
-        fill.latents(ids, bucket_of, latents_fp)
+        if config.data.video is None:
+            fill.latents(ids, bucket_of, latents_fp)
+        else:  # every sample a clip, encoded a chunk of frames at a time
+            fill_clip_latents(fill, ids, bucket_of, latents_fp)
     if config.cache.text_embeddings == "disk":
         text_fp = encoder_fingerprint(backbone, "text", precision)
         fill.text(training_captions(config, records), text_fp, autocast)
@@ -286,6 +302,7 @@ def fill_cache(
     report.unreadable = sorted(set(report.unreadable))
     report.seconds = time.perf_counter() - started
     channels, downsample = backbone.latent_format()
+    video = config.data.video
     encodings = CachedEncodings(
         store=store,
         image_ids=list(ids),
@@ -295,5 +312,6 @@ def fill_cache(
         caption_variants=config.cache.caption_variants,
         latent_channels=channels,
         downsample=downsample,
+        temporal_compression=1 if video is None else video.temporal_compression,
     )
     return encodings, report

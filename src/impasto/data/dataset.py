@@ -22,8 +22,9 @@ from impasto.data.sampler import BatchPosition
 from impasto.data.seeding import derive_seed
 from impasto.data.skips import Reencoded, Skipped, error_reason, text_embedding_name
 from impasto.data.transforms import IMAGE_LOAD_ERRORS, get_crop_offsets
-from impasto.data.video.records import clip_frame_indices, clip_frames, stack_frames
+from impasto.data.video.clip_cache import cached_sample
 from impasto.data.video.frames import UnreadableClip
+from impasto.data.video.records import clip_frame_indices, clip_frames, stack_frames
 from impasto.data.video.sampling import ClipSampling
 
 logger = logging.getLogger(__name__)
@@ -94,9 +95,10 @@ class ImageCaptionDataset(Dataset):
         cache: encodings from the on-disk cache (:mod:`impasto.data.cache`). With cached
             latents no image is decoded: the transform is drawn from the stored image size
             exactly as it would be from the pixels, and a missing or mismatched entry is
-            skipped like an unreadable image. With cached text, each example carries its
-            caption's encoding (a caption missing from the cache is encoded on the fly; so is
-            one whose entry is damaged, and the example says so: ``Example.reencoded``).
+            skipped like an unreadable image (nor is a clip's frame:
+            :mod:`~impasto.data.video.clip_cache`). With cached text, each example carries
+            its caption's encoding (a caption missing from the cache is encoded on the fly; so
+            is one whose entry is damaged, and the example says so: ``Example.reencoded``).
         caption_variants: with random caption tools, train epoch ``e`` with variant
             ``e % caption_variants`` of each caption (what a text cache holds); None: the
             cache's setting when it holds text, else 0 (every caption augmented afresh).
@@ -158,7 +160,11 @@ class ImageCaptionDataset(Dataset):
             if image_id is None:
                 return self.skip(index, "unreadable when the cache was filled")
             params = self.transform.params(image_id.height, image_id.width, bucket, generator)
-            posterior = self.cache.posterior(image_id, params)
+            if self.video is None:
+                posterior = self.cache.posterior(image_id, params)
+            else:  # a clip's posterior [z, t, h, w] (an image's [z, 1, h, w]) and first frame
+                found = cached_sample(self.cache, record, image_id, params, self.video, self.seed)
+                posterior, clip_start = found
             if isinstance(posterior, str):
                 return self.skip(index, posterior)
         elif record.clip is not None:

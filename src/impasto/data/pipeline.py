@@ -35,8 +35,8 @@ from impasto.data.records import (
     shard_index_dir,
 )
 from impasto.data.sampler import ResumableBatchSampler
-from impasto.data.video.records import clip_sampling, expand_clip_slots, sample_shapes
 from impasto.data.skips import BAD_DATA_FILE, SCANNED, BadDataLog, Skipped, distinct
+from impasto.data.video.records import clip_sampling, run_clip_slots, sample_shapes
 from impasto.distributed import RunGroup, process_group
 from impasto.faults import writing
 from impasto.precision import autocast_factory, resolve_device, resolve_precision
@@ -368,11 +368,9 @@ def prepare_run_data(
         return RunData(records, stream, total, bad_data, left_out, groups=scan.groups)
     cached = config.cache.on_disk and not pixels_only
     image_ids, encodings = None, None
-    if cached:
+    records, too_short = run_clip_slots(config.data.video, records)
+    if cached:  # (after the slots: the cache holds each slot's frames)
         records, image_ids = identify_images(config, records, rank, world)
-    too_short: list[Skipped] = []
-    if config.data.video is not None:  # each video as its clips (data.video)
-        records, too_short = expand_clip_slots(records, clip_sampling(config.data.video))
     bucket_of, unreadable = bucket_placement(config, records, run_dir if main else None, main)
     unplaced = {item.name for item in unreadable}
     usable = [record for record in records if str(record.image_path) not in unplaced]
@@ -500,7 +498,8 @@ def cache_data(config: Any) -> CacheReport:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         precision = resolve_precision(config.train.mixed_precision, device)
-        records, image_ids = identify_images(config, load_records(config, rank == 0), rank, world)
+        records, _ = run_clip_slots(config.data.video, load_records(config, rank == 0))
+        records, image_ids = identify_images(config, records, rank, world)
         bucket_of = place_in_buckets(config, records, None, rank == 0)
         from impasto.checkpoint.trained import build_starting_backbone
 

@@ -19,6 +19,7 @@ from diffusers import AutoencoderKL, AutoencoderKLWan
 from torch import Tensor
 
 from impasto.models import video_autoencoder
+from impasto.models.video_autoencoder import FrameReader
 
 
 def is_video_vae(vae: torch.nn.Module) -> bool:
@@ -51,6 +52,20 @@ def latent_posterior(vae: AutoencoderKL, pixels: Tensor) -> tuple[Tensor, Tensor
         return (mean[:, :, 0], std[:, :, 0]) if image else (mean, std)
     posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
     return posterior.mean, posterior.std
+
+
+def clip_posterior_chunked(
+    vae: AutoencoderKL, read_frames: FrameReader, num_frames: int, chunk_frames: int = 16
+) -> tuple[Tensor, Tensor]:
+    """The posterior (mean, std) ``[B, z, t, h, w]`` of one clip of ``num_frames`` frames read
+    ``chunk_frames`` at a time (:func:`~impasto.models.video_autoencoder.encode_clip_chunked`:
+    equal to :func:`latent_posterior` of the whole clip); an image VAE takes no clips."""
+    if not is_video_vae(vae):
+        raise ValueError(
+            f"the autoencoder ({type(vae).__name__}) encodes images, not clips; use a video "
+            "autoencoder (a Wan 2.1 VAE) for data.video"
+        )
+    return video_autoencoder.encode_clip_chunked(vae, read_frames, num_frames, chunk_frames)
 
 
 def _latent_stats(vae: AutoencoderKL, like: Tensor) -> tuple[Tensor, Tensor] | None:

@@ -91,6 +91,15 @@ class Backbone(Protocol):
     def latent_posterior(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
         """The autoencoder's posterior (mean, std) ``[B, C, h, w]`` of images in [-1, 1]."""
 
+    def clip_posterior(
+        self, read_frames: Callable[[int, int], Tensor], num_frames: int, chunk_frames: int = 16
+    ) -> tuple[Tensor, Tensor]:
+        """The posterior (mean, std) ``[1, z, t, h, w]`` of one clip, read ``chunk_frames``
+        frames at a time: ``read_frames(start, stop)`` gives frames ``[1, 3, stop − start, H,
+        W]`` in [-1, 1], asked for in order, each range once. Equal to ``latent_posterior`` of
+        the whole clip while holding one chunk of frames (the disk cache of clips); a family
+        whose autoencoder takes no clips raises ``ValueError``."""
+
     def encode_latents(self, sample: Tensor) -> Tensor:
         """A posterior sample → the denoiser's latent space (scale and shift)."""
 

@@ -30,6 +30,7 @@ from impasto.models.components import (
     encode_prompts,
     unused_text_layers,
 )
+from impasto.models.video_autoencoder import FrameReader
 
 PART_NAMES = ("unet", "text_encoder", "text_encoder_2")
 
@@ -121,6 +122,12 @@ class SDXLBackbone:
     # -- latents (impasto.models.autoencoder) ------------------------------------------
     def latent_posterior(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
         return autoencoder.latent_posterior(self.components.vae, pixels)
+
+    def clip_posterior(
+        self, read_frames: FrameReader, num_frames: int, chunk_frames: int = 16
+    ) -> tuple[Tensor, Tensor]:
+        vae = self.components.vae
+        return autoencoder.clip_posterior_chunked(vae, read_frames, num_frames, chunk_frames)
 
     def encode_latents(self, sample: Tensor) -> Tensor:
         return autoencoder.encode_latents(self.components.vae, sample)

@@ -61,10 +61,11 @@ def video_problems(config: Config) -> list[str]:
     if config.data.video is None:
         return []
     problems = []
-    if config.cache.latents == "disk":
+    if config.cache.latents == "disk" and config.data.video.placement != "even":
         problems.append(
-            "cache.latents: disk does not hold clips yet; use cache.latents: memory (encoded "
-            "once per clip and kept in RAM) or none"
+            "cache.latents: disk caches each clip's frames once, but data.video.placement: "
+            "random draws new ones every epoch; set data.video.placement: even (or "
+            "cache.latents: memory)"
         )
     if config.objective.multires_noise_iterations > 0:
         problems.append(

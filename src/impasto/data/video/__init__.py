@@ -2,8 +2,8 @@
 PyAV (the ``video`` extra, imported on first use), frames counted by decoding, clips sampled by
 pure functions (docs/video.md).
 
-Not wired into the training pipeline yet: this package probes, samples and decodes clips; the
-sources, buckets, cache and loader still read images only.
+The training pipeline reads clips through :mod:`~impasto.data.video.records`; the disk cache
+of clips is :mod:`~impasto.data.video.clip_cache` (keys by :mod:`~impasto.data.video.content`).
 
 - :mod:`~impasto.data.video.frames`: reading frames from each kind of source.
 - :mod:`~impasto.data.video.probe`: :func:`probe_clip` (frame count and timestamps) and

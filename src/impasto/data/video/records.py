@@ -26,9 +26,9 @@ from PIL import Image
 from impasto.data.folder import IMAGE_EXTENSIONS, ImageRecord, Scan, scan_manifest
 from impasto.data.skips import SCANNED, Skipped
 from impasto.data.video.frames import UnreadableClip
+from impasto.data.video.index import index_file, probe_indexed
 from impasto.data.video.probe import ClipInfo, decode_frames
 from impasto.data.video.sampling import ClipSampling, clip_length, frame_grid, sample_clips
-from impasto.data.video.index import index_file, probe_indexed
 from impasto.data.video.scan import ClipRecord, scan_clip_folder
 
 
@@ -140,6 +140,16 @@ def expand_clip_slots(
     return expanded, list(skipped.values())
 
 
+def run_clip_slots(
+    video: Any, records: Sequence[ImageRecord]
+) -> tuple[list[ImageRecord], list[Skipped]]:
+    """A run's records: with ``data.video`` (``video``), each video as its clip slots
+    (:func:`expand_clip_slots`) and the videos too short for one; else unchanged."""
+    if video is None:
+        return list(records), []
+    return expand_clip_slots(records, clip_sampling(video))
+
+
 def frames_of(records: Sequence[ImageRecord]) -> list[int]:
     """Frames of each record's samples: its clips' length, 1 for an image."""
     return [1 if record.clip is None else record.clip.num_frames for record in records]
@@ -192,6 +202,7 @@ __all__ = [
     "clip_sampling",
     "expand_clip_slots",
     "frames_of",
+    "run_clip_slots",
     "sample_shapes",
     "stack_frames",
 ]

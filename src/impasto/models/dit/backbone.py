@@ -29,6 +29,7 @@ from impasto.models.components import (
 )
 from impasto.models.dit.network import DiT
 from impasto.models.dit.text import SINGLE_TEXT_TARGETS, encode_single, tokenizer_identity
+from impasto.models.video_autoencoder import FrameReader
 
 PART_NAMES = ("transformer", "text_encoder", "text_encoder_2")
 """Every part a DiT may have; one with a single text encoder has no ``text_encoder_2``."""
@@ -149,6 +150,12 @@ class DiTBackbone:
     # -- latents (impasto.models.autoencoder) ------------------------------------------
     def latent_posterior(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
         return autoencoder.latent_posterior(self.components.vae, pixels)
+
+    def clip_posterior(
+        self, read_frames: FrameReader, num_frames: int, chunk_frames: int = 16
+    ) -> tuple[Tensor, Tensor]:
+        vae = self.components.vae
+        return autoencoder.clip_posterior_chunked(vae, read_frames, num_frames, chunk_frames)
 
     def encode_latents(self, sample: Tensor) -> Tensor:
         return autoencoder.encode_latents(self.components.vae, sample)
