@@ -295,12 +295,12 @@ def test_frame_patch_1_keeps_the_image_weight_shapes():
 
 
 def test_video_fields_round_trip_through_an_exported_folder(tiny_raw, tmp_path):
+    from test_video_vae import tiny_wan_vae
+
     from impasto.config import build_config
     from impasto.models import build_backbone
     from impasto.models.dit.files import save_dit_folder
     from impasto.models.exported import RECORD_FILE
-
-    from test_video_vae import tiny_wan_vae
 
     tiny_wan_vae(0).save_pretrained(tmp_path / "wan", safe_serialization=True)
     options = {"attention": "spatiotemporal", "frame_patch": 2, "kernel": "sdpa",

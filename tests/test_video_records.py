@@ -120,7 +120,8 @@ def test_a_videos_clips_never_overlap_and_move_each_epoch(clip_folder):
     again, _ = ramp_dataset(clip_folder, "random")  # a fresh dataset (a resume): the same
     assert tuple(again[(2, index)].clip_start for index in ramp) == starts[2]
     even, _ = ramp_dataset(clip_folder, "even")
-    assert {tuple(even[(e, i)].clip_start for i in ramp) for e in range(3)} == {(1, 13)}  # centred in [0, 12), [12, 24)
+    # each clip centred in its segment, [0, 12) and [12, 24), every epoch
+    assert {tuple(even[(e, i)].clip_start for i in ramp) for e in range(3)} == {(1, 13)}
 
 
 def test_a_clip_sample_is_its_decoded_frames_each_transformed_alike(clip_folder):
@@ -197,7 +198,9 @@ def test_a_video_run_of_an_image_family_is_refused_in_one_line(tiny_raw):
     assert any(p.startswith("cache.latents: disk caches each clip's frames once") for p in problems)
 
 
-def test_the_probe_index_decodes_each_clip_once_until_it_changes(clip_folder, tmp_path, monkeypatch):
+def test_the_probe_index_decodes_each_clip_once_until_it_changes(
+    clip_folder, tmp_path, monkeypatch
+):
     import shutil
 
     import impasto.data.video.scan as scan_module

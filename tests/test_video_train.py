@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from helpers import assert_same
 from PIL import Image
 

@@ -29,7 +29,8 @@ def offset_noise(
     """
     batch_size, channels = noise.shape[:2]
     ones = (1,) * (noise.dim() - 2)  # [B, C, 1, 1] for images, [B, C, 1, 1, 1] for clips
-    offset = torch.randn((batch_size, channels, *ones), generator=generator, device=generator.device)
+    shape = (batch_size, channels, *ones)
+    offset = torch.randn(shape, generator=generator, device=generator.device)
     scale = _strengths(strength, batch_size, generator, random_strength).view(-1, 1, *ones)
     return noise + (scale * offset).to(noise.device, noise.dtype)
 

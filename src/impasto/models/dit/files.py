@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from diffusers import AutoencoderKL, AutoencoderKLWan
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from impasto.models.dit.backbone import DiTBackbone, DiTComponents
 from impasto.models.dit.network import DiT, DiTConfig
