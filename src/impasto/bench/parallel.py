@@ -165,9 +165,7 @@ def bench_rank(request: ParallelRequest) -> dict[str, Any] | None:
     """One rank of the parallel bench (a launched worker, or a process of a torchrun job);
     returns the report on rank 0, None on the others."""
     parallel = request.config(request.variants[0], request.strategy).parallel
-    with run_group(
-        request.strategy, request.device, parallel.timeout_s, parallel.shard_size
-    ) as group:
+    with run_group(parallel, request.device) as group:  # parallel.strategy: request.strategy
         device = group.device
         if device.type == "cpu" and group.world > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)  # as torchrun does: ranks share the cores, 1 thread each

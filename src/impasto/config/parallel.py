@@ -50,6 +50,18 @@ class ParallelConfig(Section):
         "Needs parallel.strategy fsdp or hsdp (sharded over the world / tp data-parallel "
         "ranks) and a family that has a plan (the diffusion transformer: docs/distributed.md)",
     )
+    cp: Int = Field(
+        1,
+        ge=1,
+        le=MAX_RANKS,
+        description="context parallelism: ranks that split the token sequence of each sample "
+        "(or pack), exchanging attention heads all-to-all (DeepSpeed-Ulysses), for sequences "
+        "whose activations do not fit one GPU; each group is cp consecutive groups of "
+        "parallel.tp ranks, so keep cp x tp within a node. Needs parallel.strategy fsdp or hsdp "
+        "(weights sharded and gradients averaged over the world / tp ranks, the cp ranks "
+        "among them), a family that has a plan (the diffusion transformer) and heads "
+        "divisible by cp x tp: docs/distributed.md",
+    )
     timeout_s: Int = Field(
         1800,
         ge=10,

@@ -409,16 +409,25 @@ class Config(Section):
 
     def _parallel_options_fit(self) -> None:
         strategy, memory = self.parallel.strategy, self.memory
-        if self.parallel.tp > 1 and strategy not in ("fsdp", "hsdp"):
+        tp, cp = self.parallel.tp, self.parallel.cp
+        if tp > 1 and strategy not in ("fsdp", "hsdp"):
             raise ValueError(
-                f"parallel.tp {self.parallel.tp} splits the blocks inside a data-parallel run "
-                f"sharded by fsdp or hsdp, not {strategy}; set parallel.strategy: fsdp"
+                f"parallel.tp {tp} splits the blocks inside a data-parallel run sharded by fsdp "
+                f"or hsdp, not {strategy}; set parallel.strategy: fsdp"
             )
-        pack = self.data.pack_tokens
-        if pack is not None and pack % self.parallel.tp:
+        if cp > 1 and strategy not in ("fsdp", "hsdp"):
             raise ValueError(
-                f"data.pack_tokens {pack} does not split into parallel.tp {self.parallel.tp} "
-                "equal parts of the sequence; make it a multiple of parallel.tp"
+                f"parallel.cp {cp} splits each sample's tokens inside a data-parallel run "
+                f"sharded by fsdp or hsdp (which sums the shards' gradients), not {strategy}; "
+                "set parallel.strategy: fsdp"
+            )
+        pack, split = self.data.pack_tokens, tp * cp
+        if pack is not None and pack % split:
+            what = "parallel.tp" if cp == 1 else "parallel.cp" if tp == 1 else ""
+            what = what or "parallel.tp x parallel.cp"
+            raise ValueError(
+                f"data.pack_tokens {pack} does not split into {what} {split} equal parts of the "
+                f"sequence; make it a multiple of {what}"
             )
         if strategy == "none":
             if self.checkpoint.async_save:

@@ -356,7 +356,7 @@ def prepare_run_data(
     """
     group = group or RunGroup()
     rank, world = group.rank, group.world  # who hashes and caches what: every rank a share
-    share, shares = group.data_rank, group.data_world  # who trains on what (tp groups: one)
+    share, shares = group.data_rank, group.data_world  # who trains on what (tp x cp: one)
     main = group.is_main
     scan = scan_sources(config, main)
     bad_data = BadDataLog(None if run_dir is None else run_dir / BAD_DATA_FILE)

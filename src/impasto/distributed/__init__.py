@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -67,8 +67,10 @@ class RunGroup:
     ``fsdp`` / ``hsdp``) the device mesh. Rank 0 alone prints, logs and writes files.
 
     With tensor parallelism (``tp`` > 1) the mesh's last dimension, ``tp``, holds groups of
-    ``tp`` consecutive ranks that share one share of the data: the *data* rank and world
-    (``data_rank``, ``data_world``) count those groups."""
+    ``tp`` consecutive ranks; with context parallelism (``cp`` > 1) the dimension before it,
+    ``cp``, groups ``cp`` of those. The ``tp × cp`` consecutive ranks of a model group share
+    one share of the data: the *data* rank and world (``data_rank``, ``data_world``) count
+    those groups."""
 
     rank: int = 0
     world: int = 1
@@ -76,26 +78,37 @@ class RunGroup:
     strategy: str = "none"
     mesh: DeviceMesh | None = None
     tp: int = 1
+    cp: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def model_ranks(self) -> int:
+        """Consecutive ranks that train on the same data (``tp × cp``)."""
+        return self.tp * self.cp
+
+    @property
     def data_rank(self) -> int:
         """Which share of every step's batch this rank trains on."""
-        return self.rank // self.tp
+        return self.rank // self.model_ranks
 
     @property
     def data_world(self) -> int:
         """How many shares every step's batch splits into."""
-        return self.world // self.tp
+        return self.world // self.model_ranks
 
     @property
     def data_mesh(self) -> DeviceMesh | None:
-        """The mesh of the data-parallel dimensions (what FSDP shards over)."""
-        if self.mesh is None or self.tp == 1:
+        """The mesh FSDP shards the weights and averages the gradients over: every dimension
+        but ``tp``, with ``shard`` and ``cp`` flattened into one (torchtitan's dp_shard_cp:
+        the ranks of a context-parallel group hold the same weights and their gradients are
+        the shards' parts of one gradient)."""
+        if self.mesh is None or self.model_ranks == 1:
             return self.mesh
+        if self.cp > 1:
+            return data_cp_mesh(self.mesh)
         names = [name for name in self.mesh.mesh_dim_names if name != "tp"]
         return self.mesh[tuple(names)] if len(names) > 1 else self.mesh[names[0]]
 
@@ -104,14 +117,19 @@ class RunGroup:
         """The tensor-parallel dimension of the mesh (None without tensor parallelism)."""
         return self.mesh["tp"] if self.mesh is not None and self.tp > 1 else None
 
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The context-parallel dimension of the mesh (None without context parallelism)."""
+        return self.mesh["cp"] if self.mesh is not None and self.cp > 1 else None
+
     def data_sum(self, *counts: int) -> list[int]:
         """Counts of the data each rank read, summed over the data shares (the ranks of a
-        tensor-parallel group read the same data: counted once)."""
-        return [count // self.tp for count in self.sum(*counts)]
+        model group read the same data: counted once)."""
+        return [count // self.model_ranks for count in self.sum(*counts)]
 
     def data_gather(self, value: Any) -> list[Any]:
         """Every data share's ``value`` (picklable), in order, on every rank."""
-        return self.gather(value)[:: self.tp]
+        return self.gather(value)[:: self.model_ranks]
 
     @property
     def parallel(self) -> bool:
@@ -174,15 +192,38 @@ def run_device(device_option: str, local_rank: int) -> torch.device:
     return device
 
 
+def data_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh``'s (shard, cp) dimensions flattened into ``shard_cp``, after ``replicate``
+    where it has one (HSDP's 2-D mesh)."""
+    shard_cp = mesh["shard", "cp"]._flatten("shard_cp")
+    if "replicate" not in mesh.mesh_dim_names:
+        return shard_cp
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:  # torch >= 2.10, which warns of slicing a flattened dim
+        return concatenate([mesh["replicate"], shard_cp])
+    return mesh["replicate", "shard_cp"]
+
+
+class MeshOptions(Protocol):
+    """What :func:`run_group` reads of the ``parallel`` config section."""
+
+    strategy: str
+    timeout_s: int
+    shard_size: int | None
+    tp: int
+    cp: int
+
+
 @contextmanager
-def run_group(strategy: str, device_option: str, timeout_s: int = 1800,
-              shard_size: int | None = None, tp: int = 1) -> Iterator[RunGroup]:  # fmt: skip
-    """Join the run's process group for the block and yield this process's :class:`RunGroup`.
+def run_group(parallel: MeshOptions, device_option: str) -> Iterator[RunGroup]:
+    """Join the run's process group for the block and yield this process's :class:`RunGroup`
+    (``parallel``: the config's section; its strategy, timeout, shard size, tp and cp).
 
     ``strategy`` none runs in one process (a one-line error under torchrun with several); the
     others start a group even for one process (so ``fsdp`` runs, and resumes, on 1 GPU): NCCL
     for CUDA tensors with gloo beside it for host flags, gloo alone on a CPU run. Ranks other
     than 0 print nothing (their stdout goes nowhere; errors still reach stderr)."""
+    strategy, tp, cp = parallel.strategy, parallel.tp, parallel.cp
     rank, world = rank_and_world()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if strategy == "none":
@@ -199,7 +240,7 @@ def run_group(strategy: str, device_option: str, timeout_s: int = 1800,
     owned = not dist.is_initialized()
     if owned:
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(seconds=parallel.timeout_s)
         if "MASTER_ADDR" in os.environ:
             init_torchrun_group(backend, timeout, _device_id(device))
         else:  # one process started without torchrun
@@ -208,13 +249,13 @@ def run_group(strategy: str, device_option: str, timeout_s: int = 1800,
             )
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        mesh = device_mesh(strategy, device, world, shard_size, tp)
+        mesh = device_mesh(strategy, device, world, parallel.shard_size, tp, cp)
         with contextlib.ExitStack() as stack:
             if rank:
                 stack.enter_context(contextlib.redirect_stdout(stack.enter_context(
                     open(os.devnull, "w", encoding="utf-8")
                 )))  # fmt: skip
-            yield RunGroup(rank, world, device, strategy, mesh, tp)
+            yield RunGroup(rank, world, device, strategy, mesh, tp, cp)
     finally:
         if owned:
             dist.destroy_process_group()
@@ -246,30 +287,34 @@ def _device_id(device: torch.device) -> torch.device | None:
 
 
 def device_mesh(strategy: str, device: torch.device, world: int, shard_size: int | None,
-                tp: int = 1) -> DeviceMesh | None:  # fmt: skip
+                tp: int = 1, cp: int = 1) -> DeviceMesh | None:  # fmt: skip
     """``fsdp``: all ranks in one shard group; ``hsdp``: (replicas, shard_size), shard groups of
     consecutive ranks (one node each by default). ``ddp`` needs no mesh. ``tp`` > 1 adds a last
-    dimension ``tp`` of consecutive ranks (within a node: its collectives run every layer)."""
-    if world % tp:
+    dimension ``tp`` of consecutive ranks (within a node: its collectives run every layer);
+    ``cp`` > 1 a dimension ``cp`` before it (an all-to-all per attention: within a node too)."""
+    split = tp * cp
+    what = "parallel.tp" if cp == 1 else "parallel.cp" if tp == 1 else "parallel.tp x parallel.cp"
+    if world % split:
         raise ValueError(
-            f"parallel.tp: {tp} does not divide the {world} ranks; set it to a divisor of the "
+            f"{what}: {split} does not divide the {world} ranks; set it to a divisor of the "
             "world size (the GPUs of a node, usually)"
         )
-    inner = ((tp,), ("tp",)) if tp > 1 else ((), ())
+    inner = [(size, name) for size, name in ((cp, "cp"), (tp, "tp")) if size > 1]
+    sizes, names = tuple(size for size, _ in inner), tuple(name for _, name in inner)
     if strategy == "fsdp":
         return init_device_mesh(
-            device.type, (world // tp, *inner[0]), mesh_dim_names=("shard", *inner[1])
+            device.type, (world // split, *sizes), mesh_dim_names=("shard", *names)
         )
     if strategy != "hsdp":
         return None
     size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world % size or size % tp:
+    if world % size or size % split:
         raise ValueError(
             f"parallel.shard_size: {size} does not divide the {world} ranks or is not a "
-            f"multiple of parallel.tp {tp}; set it to the processes per node (or a divisor "
+            f"multiple of {what} {split}; set it to the processes per node (or a divisor "
             "of the world size)"
         )
     return init_device_mesh(
-        device.type, (world // size, size // tp, *inner[0]),
-        mesh_dim_names=("replicate", "shard", *inner[1]),
+        device.type, (world // size, size // split, *sizes),
+        mesh_dim_names=("replicate", "shard", *names),
     )  # fmt: skip

@@ -149,6 +149,10 @@ class Backbone(Protocol):
         """How the denoiser's blocks split over a tensor-parallel group (``parallel.tp``), or
         None where the family has no plan."""
 
+    def context_parallel_plan(self) -> ContextParallelPlan | None:
+        """How the denoiser splits each sample's sequence over a context-parallel group
+        (``parallel.cp``), or None where the family cannot."""
+
     def cache_identity(self, kind: str) -> tuple[object, ...]:
         """What cached encodings of ``kind`` (``latents`` or ``text``) depend on: networks
         (hashed by weights), tokenizers (by vocabulary) and plain values (by ``repr``)."""
@@ -193,13 +197,30 @@ class TensorParallelPlan:
 
 
 @dataclass(frozen=True)
+class ContextParallelPlan:
+    """Context parallelism (Ulysses all-to-all) of a denoiser, as names only (applied by
+    :mod:`impasto.train.context_parallel`, which holds the ``torch.distributed`` side). ``hook``
+    is the denoiser's attribute that takes a
+    :class:`~impasto.models.sequence_parallel.SequenceParallel`: through it the denoiser
+    splits its sequence after the input layer, runs each attention over the whole sequence for
+    a share of the heads, and gathers its output. ``token_multiple`` is the attribute that
+    tells it sequences must be a multiple of a number of tokens (multiplied by the group
+    size); ``divisible``: counts the group size must divide (the attention heads, each rank's
+    share after tensor parallelism)."""
+
+    hook: str
+    token_multiple: str = ""
+    divisible: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """What the config of a family may name, known without building a model: its parts (in
     the backbone's order), its presets, and the pydantic section of its options
     (``model.<family>``; None: it takes none), whether it reads ``model.text_encoder``, and
     the export formats it writes itself (``impasto export --format``: a writer of the rebuilt
-    backbone, :mod:`impasto.export.family`), whether it splits for ``parallel.tp``, and
-    whether it trains on clips (``data.video``)."""
+    backbone, :mod:`impasto.export.family`), whether it splits for ``parallel.tp`` and
+    ``parallel.cp``, and whether it trains on clips (``data.video``)."""
 
     parts: tuple[str, ...]
     presets: tuple[str, ...]
@@ -207,6 +228,7 @@ class FamilySpec:
     reads_text_encoder: bool = False  # model.text_encoder: text encoders from another folder
     exports: Mapping[str, FolderWriter] = field(default_factory=dict)  # format → its writer
     tensor_parallel: bool = False  # parallel.tp: its backbone has a TensorParallelPlan
+    context_parallel: bool = False  # parallel.cp: its backbone has a ContextParallelPlan
     video: bool = False  # data.video: its denoiser takes clips (a frame axis)
 
     def read_options(self, raw: dict[str, Any], family: str) -> BaseModel | None:

@@ -210,6 +210,10 @@ class SDXLBackbone:
         """None: the UNet is mostly convolutions, which Megatron's split does not cover."""
         return None
 
+    def context_parallel_plan(self) -> None:
+        """None: a UNet's convolutions read neighbouring pixels, not a sequence to split."""
+        return None
+
     def cache_identity(self, kind: str) -> tuple[object, ...]:
         parts = self.components
         if kind == "latents":

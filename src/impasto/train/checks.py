@@ -225,6 +225,12 @@ def model_problems(config: Config) -> list[str]:
             f"parallel.tp {config.parallel.tp}: the {model.family} family has no "
             "tensor-parallel plan; set parallel.tp: 1 (fsdp shards its weights without it)"
         )
+    if config.parallel.cp > 1 and not spec.context_parallel:
+        problems.append(
+            f"parallel.cp {config.parallel.cp}: the {model.family} family has no "
+            "context-parallel plan (its denoiser is not a transformer over a token sequence); "
+            "set parallel.cp: 1"
+        )
     if config.data.video is not None and not spec.video:
         clips = " or ".join(name for name, other in FAMILIES.items() if other.video)
         problems.append(

@@ -161,10 +161,15 @@ def build_step_setup(
             config, backbone, tuple(trainable), autocast, group.data_rank, group.data_world
         )
     )
-    if group.tp > 1:  # torchtitan's order: tensor parallelism, checkpointing, compile, fsdp
+    # torchtitan's order: tensor, then context parallelism, checkpointing, compile, fsdp
+    if group.tp > 1:
         from impasto.train.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(backbone, group.tp_mesh)
+    if group.cp > 1:
+        from impasto.train.context_parallel import apply_context_parallel
+
+        apply_context_parallel(backbone, group.cp_mesh, group.tp)
     apply_memory_options(backbone, config.memory)
     roots = apply_strategy(backbone, trainable, config.parallel, group, precision)
     offload = None

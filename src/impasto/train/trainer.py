@@ -95,13 +95,7 @@ def train(
     run_dir = Path(config.train.output_dir)
     with (
         StopRequest(),
-        run_group(  # a signal while the group starts stops at once
-            parallel.strategy,
-            config.train.device,
-            parallel.timeout_s,
-            parallel.shard_size,
-            parallel.tp,
-        ) as group,
+        run_group(parallel, config.train.device) as group,  # a signal meanwhile stops at once
         disk_full_is_one_line(run_dir, run_dir / CHECKPOINTS),
     ):
         return Trainer(config, resume, group, run_summary).run()

@@ -20,7 +20,12 @@ from diffusers import AutoencoderKL
 from torch import Tensor, nn
 
 from impasto.models import autoencoder
-from impasto.models.backbone import Batch, TensorParallelPlan, adapter_layers
+from impasto.models.backbone import (
+    Batch,
+    ContextParallelPlan,
+    TensorParallelPlan,
+    adapter_layers,
+)
 from impasto.models.components import (
     TEXT_TARGETS,
     PromptEmbeds,
@@ -295,6 +300,17 @@ class DiTBackbone:
                 "MLP features": transformer.blocks[0].mlp_width,
             },
         )  # fmt: skip
+
+    def context_parallel_plan(self) -> ContextParallelPlan:
+        """Ulysses over the DiT's sequence (docs/dit.md, parallelism): ``DiT.sequence_parallel``
+        splits the tokens between the patch embedding and the final layer and exchanges the
+        heads around every attention kernel, so the group size must divide the heads."""
+        config = self.components.transformer.config
+        return ContextParallelPlan(
+            hook="sequence_parallel",
+            token_multiple="token_multiple",
+            divisible={"attention heads": config.hidden_size // config.head_dim},
+        )
 
     def cache_identity(self, kind: str) -> tuple[object, ...]:
         parts = self.components

@@ -43,6 +43,7 @@ SPEC = FamilySpec(
     reads_text_encoder=True,
     exports={"folder": save_dit_folder},
     tensor_parallel=True,
+    context_parallel=True,
     video=True,
 )
 

@@ -58,6 +58,7 @@ from impasto.models.dit.layers import (
 )
 from impasto.models.dit.layout import Grid, grid_positions, patchify, plan_pack, unpatchify
 from impasto.models.dit.sizes import SIZES
+from impasto.models.sequence_parallel import SequenceParallel
 
 
 @dataclass(frozen=True)
@@ -237,9 +238,12 @@ class DiT(nn.Module):
             self.pos_embed = nn.Parameter(torch.zeros(config.max_grid, config.max_grid, dim))
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.final = FinalLayer(config)
-        # Sequences are a multiple of this many tokens (tensor parallelism splits them over
-        # its group): a batch whose images are not runs as a pack of that length.
+        # Sequences are a multiple of this many tokens (tensor and context parallelism split
+        # them over their groups): a batch whose images are not runs as a pack of that length.
         self.token_multiple = 1
+        # Context parallelism (parallel.cp, set by the trainer): each rank of the group runs
+        # the blocks on its shard of the sequence (impasto.models.sequence_parallel).
+        self.sequence_parallel: SequenceParallel | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -300,7 +304,16 @@ class DiT(nn.Module):
         document: Tensor | None,
     ) -> Tensor:  # fmt: skip
         """The blocks over ``tokens`` ``[B, S, C·pt·p·p]``; ``attends``: each self-attention
-        layout's kernel (:data:`BLOCK_ATTENTION`)."""
+        layout's kernel (:data:`BLOCK_ATTENTION`). Under context parallelism the blocks run on
+        this rank's shard of the tokens, their positions and sample ids, and the output is
+        gathered whole."""
+        parallel = self.sequence_parallel
+        if parallel is not None:
+            tokens, positions = parallel.split(tokens, 1), parallel.split(positions, 1)
+            attends = {layout: parallel.self_attention(a) for layout, a in attends.items()}
+            if document is not None:  # a pack: its cross-attention mask has a row per token
+                document = parallel.split(document, 0)  # (a dense batch's has no mask)
+                attend_cross = parallel.cross_attention(attend_cross)
         x, rope = self._positions(self.patch_embed(tokens), positions)
         dtype = x.dtype
         condition = self.time_embed(timestep_features(timesteps).to(dtype))
@@ -318,7 +331,8 @@ class DiT(nn.Module):
                 x = checkpoint(block, *inputs, **options, use_reentrant=False)
             else:
                 x = block(*inputs, **options)
-        return self.final(x, condition, document)
+        out = self.final(x, condition, document)
+        return out if parallel is None else parallel.gather(out, 1)
 
     # -- tokens ---------------------------------------------------------------------------
     def token_grid(self, latents: Tensor) -> Grid:
