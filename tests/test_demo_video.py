@@ -108,7 +108,7 @@ def test_same_seed_same_bytes_and_clips_independent_of_the_count(tmp_path):
     write_demo_video_dataset(tmp_path / "c", 3, 32, 9, seed=4)
     write_demo_video_dataset(tmp_path / "d", 5, 32, 9, seed=5)
     a = _tree(tmp_path / "a")
-    assert len(a) == 5 * (9 + 1) and a == _tree(tmp_path / "b")
+    assert len(a) == 5 * (9 + 2) and a == _tree(tmp_path / "b")  # 9 frames, fps.txt, caption
     assert _tree(tmp_path / "c").items() <= a.items()
     assert _tree(tmp_path / "d") != a
 
