@@ -18,6 +18,8 @@ from impasto.checkpoint import load_checkpoint
 from impasto.config import build_config
 from impasto.train.trainer import train
 
+pytestmark = pytest.mark.slow  # four short trainings and exports (~1-2 minutes)
+
 pytest.importorskip("av")
 
 CLIP_SIZES = [(32, 17), (32, 9), (32, 13)]
