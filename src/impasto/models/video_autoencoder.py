@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from importlib.resources import as_file, files
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 CLASS_NAME = "AutoencoderKLWan"
 TEMPORAL_FACTOR = 4  # Wan 2.1: latent frame 0 is frame 0, each later one 4 frames
 FOLDER = "a diffusers AutoencoderKLWan folder (Wan 2.1's vae/, or a Wan pipeline folder)"
+DEMO_VIDEO_VAE_ASSET = ("assets", "demo_video_vae")
 
 FrameReader = Callable[[int, int], Tensor]  # (start, stop) → frames [B, C, stop − start, H, W]
 
@@ -53,6 +55,14 @@ def load_video_vae(path: str | Path, setting: str = "model.vae") -> AutoencoderK
         raise ValueError(f"{where}: {problem}; re-download or re-copy it") from None
     _load_state(vae, load_file(str(weights)), label)
     return vae.float().eval().requires_grad_(False)
+
+
+def load_demo_video_vae() -> AutoencoderKLWan:
+    """The demo video VAE shipped in the package: a tiny ``AutoencoderKLWan`` trained on the
+    video demo's moving shapes (``impasto.vae.video_train``; docs/video.md), loaded by
+    :func:`load_video_vae` (float32, eval mode, frozen)."""
+    with as_file(files("impasto").joinpath(*DEMO_VIDEO_VAE_ASSET)) as path:
+        return load_video_vae(path, setting="the demo video VAE")
 
 
 def _wan_config(folder: Path, where: str, setting: str) -> dict:
