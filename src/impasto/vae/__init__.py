@@ -2,7 +2,10 @@
 
 ``train_vae(data_dir, out_file, ...)`` trains the tiny preset's ``AutoencoderKL`` on an image
 folder (``impasto train-vae`` on the command line); ``load_demo_vae()`` loads the one shipped in
-the package, trained on the demo shapes (see docs/demo-vae.md).
+the package, trained on the demo shapes (see docs/demo-vae.md). ``train_video_vae(out_dir,
+...)`` trains the demo video VAE, a tiny Wan 2.1 ``AutoencoderKLWan``, on the video demo's
+clips (``python -m impasto.vae.video``); ``load_demo_video_vae()`` loads the shipped one (see
+docs/video.md).
 
 Names are imported on first use (PEP 562), so ``import impasto.vae.cli`` (which the ``impasto``
 parser does) does not pull in torch and diffusers.
@@ -17,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "TINY_VAE_CONFIG": "impasto.vae.architecture",
     "build_tiny_vae": "impasto.vae.architecture",
     "load_demo_vae": "impasto.models.vae_files",
+    "load_demo_video_vae": "impasto.models.video_autoencoder",
     "load_vae_file": "impasto.models.vae_files",
     "read_vae_metadata": "impasto.models.vae_files",
     "save_vae_file": "impasto.models.vae_files",
@@ -33,6 +37,14 @@ _EXPORTS: dict[str, str] = {
     "VaeReport": "impasto.vae.train",
     "lr_at": "impasto.vae.train",
     "train_vae": "impasto.vae.train",
+    "TINY_VIDEO_VAE_CONFIG": "impasto.vae.video_architecture",
+    "build_tiny_video_vae": "impasto.vae.video_architecture",
+    "evaluate_video_vae": "impasto.vae.video_metrics",
+    "latent_channel_stats": "impasto.vae.video_metrics",
+    "reconstruct_clips": "impasto.vae.video_metrics",
+    "VideoVaeTrainSettings": "impasto.vae.settings",
+    "VideoVaeReport": "impasto.vae.video_train",
+    "train_video_vae": "impasto.vae.video_train",
 }
 
 __all__ = list(_EXPORTS)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from torch import Tensor
 
@@ -50,6 +51,17 @@ class VaeLossOutput:
     kl: Tensor  # KL divergence to N(0, I) per image, in nats, summed over latent elements
 
 
+def posterior_kl(posterior: DiagonalGaussianDistribution) -> Tensor:
+    """KL divergence of the posterior to N(0, I) per item ``[B]``, summed over every latent
+    element: image latents ``[B, C, h, w]`` or video latents ``[B, z, t, h, w]``.
+
+    diffusers' ``posterior.kl()`` sums over dims 1-3 only, which on video latents leaves the
+    width unsummed; on images this is the same expression over the same dims.
+    """
+    terms = torch.pow(posterior.mean, 2) + posterior.var - 1.0 - posterior.logvar
+    return 0.5 * torch.sum(terms, dim=list(range(1, terms.dim())))
+
+
 def vae_loss(
     reconstruction: Tensor,
     target: Tensor,
@@ -57,17 +69,18 @@ def vae_loss(
     pixel_loss: PixelLoss,
     kl_weight: float,
 ) -> VaeLossOutput:
-    """``pixel_loss + kl_weight * KL / (3 R R)``.
+    """``pixel_loss + kl_weight * KL / (3 R R)`` (clips: ``KL / (3 T R R)``).
 
     Args:
-        reconstruction: decoded images ``[B, 3, R, R]``.
-        target: the input images ``[B, 3, R, R]`` in ``[-1, 1]``.
-        posterior: the encoder's diagonal Gaussian over latents ``[B, C, R/f, R/f]``.
+        reconstruction: decoded images ``[B, 3, R, R]`` (or clips ``[B, 3, T, R, R]``).
+        target: the input images ``[B, 3, R, R]`` (or clips) in ``[-1, 1]``.
+        posterior: the encoder's diagonal Gaussian over latents ``[B, C, R/f, R/f]`` (or
+            ``[B, z, t, R/f, R/f]``).
         pixel_loss: e.g. :func:`l1_loss`.
         kl_weight: weight of the per-image KL sum relative to a per-image sum of the pixel loss
             (SD: 1e-6).
     """
     reconstruction_term = pixel_loss(reconstruction, target)
-    kl = posterior.kl().mean()
+    kl = posterior_kl(posterior).mean()
     loss = reconstruction_term + kl_weight * kl / target[0].numel()
     return VaeLossOutput(loss=loss, reconstruction=reconstruction_term, kl=kl)
