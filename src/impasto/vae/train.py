@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import diffusers
 import torch
@@ -133,17 +134,7 @@ def _train_loop(
         generator = torch.Generator().manual_seed(derive_seed(settings.seed, step))
         indices = torch.randint(len(images), (settings.batch_size,), generator=generator)
         batch = images[indices.to(images.device)]
-        posterior = vae.encode(batch).latent_dist
-        noise = torch.randn(posterior.mean.shape, generator=generator).to(images.device)
-        decoded = vae.decode(posterior.mean + posterior.std * noise).sample
-        output = vae_loss(decoded, batch, posterior, pixel_loss, settings.kl_weight)
-        optimizer.zero_grad(set_to_none=True)
-        output.loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), settings.max_grad_norm)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, settings.lr, settings.warmup_steps, settings.steps)
-        optimizer.step()
-        running += output.loss.detach()
+        running += optimizer_step(vae, batch, generator, optimizer, pixel_loss, settings, step)
         num_running += 1
         if (step + 1) % log_every == 0 or step + 1 == settings.steps:
             losses.append(running.item() / num_running)  # the only host sync
@@ -151,6 +142,26 @@ def _train_loop(
             log(f"vae: step {step + 1}/{settings.steps} loss {losses[-1]:.5f}")
     vae.eval()
     return tuple(losses)
+
+
+def optimizer_step(
+    vae: torch.nn.Module, batch: Tensor, generator: torch.Generator,
+    optimizer: torch.optim.Optimizer, pixel_loss: Callable, settings: Any, step: int,
+) -> Tensor:  # fmt: skip
+    """One step of a VAE on ``batch`` (images or clips): a posterior sample (its noise from
+    ``generator``), the reconstruction and KL loss, clipped gradients, the warmup-cosine lr of
+    ``step``. Returns the loss, detached (no host sync)."""
+    posterior = vae.encode(batch).latent_dist
+    noise = torch.randn(posterior.mean.shape, generator=generator).to(batch.device)
+    decoded = vae.decode(posterior.mean + posterior.std * noise).sample
+    output = vae_loss(decoded, batch, posterior, pixel_loss, settings.kl_weight)
+    optimizer.zero_grad(set_to_none=True)
+    output.loss.backward()
+    torch.nn.utils.clip_grad_norm_(vae.parameters(), settings.max_grad_norm)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, settings.lr, settings.warmup_steps, settings.steps)
+    optimizer.step()
+    return output.loss.detach()
 
 
 def train_vae(

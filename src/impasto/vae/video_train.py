@@ -29,9 +29,9 @@ from safetensors.torch import save_file
 from impasto.data import derive_seed
 from impasto.models.vae_files import SIDECAR_TRAINING_KEY
 from impasto.models.video_autoencoder import CONFIG_NAME, WEIGHTS_NAME
-from impasto.vae.objective import get_pixel_loss, vae_loss
+from impasto.vae.objective import get_pixel_loss
 from impasto.vae.settings import VideoVaeTrainSettings
-from impasto.vae.train import INITIAL_LOGVAR, lr_at
+from impasto.vae.train import INITIAL_LOGVAR, optimizer_step
 from impasto.vae.video_architecture import build_tiny_video_vae
 from impasto.vae.video_data import clip_sets, image_sets, training_batch
 from impasto.vae.video_metrics import VideoVaeEvaluation, evaluate_video_vae, latent_channel_stats
@@ -114,19 +114,9 @@ def fit_video_vae(
         generator = torch.Generator().manual_seed(derive_seed(settings.seed, step))
         batch = training_batch(step, settings.seed, settings.batch_pixels, settings.image_steps,
                                settings.crop, generator).to(vae.device)  # fmt: skip
-        posterior = vae.encode(batch).latent_dist
-        noise = torch.randn(posterior.mean.shape, generator=generator).to(vae.device)
         # diffusers' Wan decode clamps to [-1, 1]: a pixel past its target's bound (a white or
         # black background) gets no gradient, and is right already.
-        decoded = vae.decode(posterior.mean + posterior.std * noise).sample
-        output = vae_loss(decoded, batch, posterior, pixel_loss, settings.kl_weight)
-        optimizer.zero_grad(set_to_none=True)
-        output.loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), settings.max_grad_norm)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, settings.lr, settings.warmup_steps, settings.steps)
-        optimizer.step()
-        running += output.loss.detach()
+        running += optimizer_step(vae, batch, generator, optimizer, pixel_loss, settings, step)
         num_running += 1
         if (step + 1) % log_every == 0 or step + 1 == settings.steps:
             losses.append(running.item() / num_running)  # the only host sync
