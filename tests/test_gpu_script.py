@@ -52,7 +52,7 @@ def test_every_stage_runs_in_a_dry_run(tmp_path):
     results = json.loads((out / "results.json").read_text())
     stages = ["env", "ceilings", "tests", "sdxl-512", "sdxl-1024", "sdxl-1024-compile",
               "sdxl-1024-memory", "fsdp", "draftp", "cache", "train-cached", "dit-tiny",
-              "dit-xl"]  # fmt: skip
+              "dit-xl", "dit-video"]  # fmt: skip
     assert list(results["stages"]) == stages
     assert all(results["stages"][stage]["exit"] == 0 for stage in stages)
     assert results["ceilings"]["copy"]["gbps"] > 0
@@ -74,7 +74,13 @@ def test_every_stage_runs_in_a_dry_run(tmp_path):
             ("padded", 128), ("packed", 128)
         ]  # fmt: skip
         assert len(dit["ratios"][0]["rounds"]) == 2  # at least 2 interleaved rounds
+    video = results["dit-video"]  # the 7B's layout: one clip, packed alone (9 frames at 64²)
+    assert video["model"] == "dit-video-tiny" and video["clips"]
+    assert [(s["frames"], s["tokens"]) for s in video["shapes"]] == [(9, 48)]
+    rows = [(row["variant"], row["layout"], row["sequence_tokens"]) for row in video["rows"]]
+    assert rows == [("adafactor", "packed", 128)] and video["ratios"] == []
     text = (out / "results.md").read_text()
+    assert "## dit-video" in text and "| seed: NeMo DiT 7B | 8k | TP=2 SP | 10052 | 519 |" in text
     assert "## sdxl-1024-memory" in text and "## draftp at 64²" in text
     assert "## dit-xl" in text and "default: padded / packed step time" in text
     assert sorted(path.name for path in out.iterdir()) == ["log.txt", "results.json", "results.md"]
@@ -124,3 +130,26 @@ def test_past_its_deadline_no_stage_starts_and_the_report_says_so(tmp_path):
         "ceilings": {"stage": "ceilings", "exit": "not started", "seconds": 0},
     }
     assert "| ceilings | not started | 0 |" in (out / "results.md").read_text()
+
+
+def test_the_video_stage_is_tabled_per_gpu_beside_the_seeds_7b():
+    bench = {
+        "model": "dit-7b-video", "resolution": 256, "precision": "bf16", "device": "NVIDIA H100",
+        "clips": True, "images": 1, "image_tokens": 8192, "flops_per_token": 35.2e9,
+        "shapes": [{"frames": 125, "height": 256, "width": 256, "images": 1, "tokens": 8192}],
+        "sequence_tokens": {"packed": 8192, "padded": 8192}, "trained_parameters": 7.61e9,
+        "rounds": 2, "steps": 10,
+        "rows": [
+            {"variant": "adafactor", "layout": "packed", "sequence_tokens": 8192, "fill": 1.0,
+             "step_ms": 1000.0, "rounds_ms": [999.0, 1001.0], "tokens_per_s": 8192.0,
+             "tflops": 288.4, "mfu": 0.2915, "peak_memory_gib": 61.0, "vs_padded": None},
+        ],
+        "ratios": [],
+    }  # fmt: skip
+    text = report.markdown({"stages": {"dit-video": {"exit": 0, "seconds": 300}},
+                            "dit-video": bench})  # fmt: skip
+    assert "1 sample (1 × 125 frames of 256x256), 8192 sample tokens" in text
+    assert "35.2 GFLOP per sample token" in text
+    assert "| dit-7b-video, 1 GPU | 8192 | adafactor, packed | 8192 | 288.4 | 29.1% |" in text
+    assert "| seed: NeMo DiT 7B | 8k | TP=2 SP | 10052 | 519 | 52.5% |" in text
+    assert "| seed: NeMo DiT 7B | 8k | baseline, no optimization | - | OOM | - |" in text

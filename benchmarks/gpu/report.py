@@ -13,8 +13,17 @@ from typing import Any
 
 STAGE_FILES = (
     "env", "ceilings", "tests", "sdxl-512", "sdxl-1024", "sdxl-1024-compile", "sdxl-1024-memory",
-    "fsdp", "draftp", "cache", "train-cached", "dit-tiny", "dit-xl",
+    "fsdp", "draftp", "cache", "train-cached", "dit-tiny", "dit-xl", "dit-video",
 )  # fmt: skip
+
+# The seed's table (seeds/002, NeMo's diffusion framework): its DiT 7B with cross-attention,
+# benchmarked on 32 H100 DGX nodes (8k tokens: 256 frames of 256px video as latents).
+SEED_7B = (
+    ("baseline, no optimization", "8k", None, None),
+    ("TP=2 SP", "8k", 519, 10052),
+    ("TP=2 SP CP=4", "74k", 439, 3409),
+)
+H100_PEAK_TFLOPS = 989.4  # dense bf16, SXM (impasto.logging.flops)
 
 
 def read_results(work: Path) -> dict[str, Any]:
@@ -71,10 +80,19 @@ def bench_table(report: dict[str, Any]) -> list[str]:
 
 def packed_table(report: dict[str, Any]) -> list[str]:
     """An ``impasto bench --model dit-*`` report (packed against padded) as Markdown rows."""
+    noun = "samples" if report.get("clips") else "images"
+    shapes = ""
+    if report.get("clips"):
+        shapes = " (" + ", ".join(
+            f"{s['images']} × {s['frames']} frames of {s['height']}x{s['width']}"
+            for s in report["shapes"]
+        ) + ")"  # fmt: skip
     lines = [
         f"{report['model']} at {report['resolution']}², {report['precision']}, "
-        f"{report['device']}; {report['images']} images, {report['image_tokens']} image tokens; "
-        f"{report['flops_per_token'] / 1e9:.3g} GFLOP per image token (meta count); "
+        f"{report['device']}; {report['images']} {noun if report['images'] != 1 else noun[:-1]}"
+        f"{shapes}, {report['image_tokens']} "
+        f"{noun[:-1]} tokens; {report['flops_per_token'] / 1e9:.3g} GFLOP per {noun[:-1]} "
+        "token (meta count); "
         f"{report['trained_parameters'] / 1e6:.0f} M parameters; median of {report['rounds']} "
         f"interleaved rounds of {report['steps']} steps",
         "",
@@ -104,6 +122,36 @@ def packed_table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def seed_table(report: dict[str, Any]) -> list[str]:
+    """The video DiT's rows per device next to the seed's table for its 7B DiT (#32)."""
+    lines = [
+        "",
+        "Per device, next to the seed's table (NeMo's DiT 7B, 32 H100 DGX nodes; MFU of its "
+        f"TFLOP/s against {H100_PEAK_TFLOPS} dense bf16):",
+        "",
+        "| run | context | config | tokens/s per GPU | TFLOP/s per GPU | MFU |",
+        "|---|---|---|---|---|---|",
+    ]
+    context = f"{report['sequence_tokens']['packed']}"
+    for row in report["rows"]:
+        if row.get("error"):
+            lines.append(f"| {report['model']}, 1 GPU | {context} | {row['variant']} | "
+                         f"{row['error']} | | |")  # fmt: skip
+            continue
+        lines.append(
+            f"| {report['model']}, 1 GPU | {context} | {row['variant']}, {row['layout']} | "
+            f"{row['tokens_per_s']:.0f} | {number(row['tflops'], '.1f')} | "
+            f"{number(row['mfu'], '.1%')} |"
+        )
+    for config, tokens, tflops, rate in SEED_7B:
+        mfu = None if tflops is None else tflops / H100_PEAK_TFLOPS
+        lines.append(
+            f"| seed: NeMo DiT 7B | {tokens} | {config} | {number(rate, '.0f')} | "
+            f"{'OOM' if tflops is None else tflops} | {number(mfu, '.1%')} |"
+        )
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = ["# GPU campaign results", ""]
     lines += ["| stage | exit | seconds |", "|---|---|---|"]
@@ -123,9 +171,11 @@ def markdown(results: dict[str, Any]) -> str:
     for name in ("sdxl-512", "sdxl-1024", "sdxl-1024-compile", "sdxl-1024-memory", "fsdp"):
         if name in results and "rows" in results[name]:
             lines += ["", f"## {name}", "", *bench_table(results[name])]
-    for name in ("dit-tiny", "dit-xl"):
+    for name in ("dit-tiny", "dit-xl", "dit-video"):
         if name in results and "rows" in results[name]:
             lines += ["", f"## {name}", "", *packed_table(results[name])]
+    if "dit-video" in results and "rows" in results["dit-video"]:
+        lines += seed_table(results["dit-video"])
     if "draftp" in results and "steps" in results["draftp"]:
         draftp = results["draftp"]
         lines += [

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU campaign in one command (issues #19, #14, #15, #31): what a session with the lent GPU runs.
+# The GPU campaign in one command (issues #19, #14, #15, #31, #32): what a session with the lent GPU runs.
 #
 #   bash benchmarks/gpu/run.sh STAGE [STAGE ...]
 #
@@ -17,6 +17,8 @@
 #   train-cached  configs/sdxl-lora.yaml trained on that cache: step time, MFU, data wait
 #   dit-tiny   impasto bench --model dit-tiny: packed against padded, FLOPs per token (#31)
 #   dit-xl     the same for DiT-XL/2 at 256², 48 images (a pack of 11776 tokens): MFU (#31)
+#   dit-video  impasto bench --model dit-7b-video: the 7B video DiT on one 8192-token clip (the
+#              seed's 8k context), tokens/s, TFLOP/s and MFU per GPU beside the seed's (#32)
 #
 # On the device (first, here: bash benchmarks/gpu/fetch_wheels.sh):
 #   run(command="DEADLINE_S=330 bash benchmarks/gpu/run.sh env ceilings tests fsdp draftp sdxl-1024",
@@ -27,8 +29,9 @@
 # DRY_RUN=1 runs every stage on this machine's CPU with the tiny model and few steps: it checks
 # the plumbing (CI does: tests/test_gpu_script.py), so that device time goes to measuring.
 # Knobs (environment): BATCH_512, BATCH_1024, STEPS, WARMUP, ROUNDS, VARIANTS,
-# COMPILE_VARIANTS, MEMORY_VARIANTS, TRAIN_STEPS, DIT_BATCH, PYTHON, DEADLINE_S (start no stage
-# after this many seconds; the report is rewritten after every stage either way).
+# COMPILE_VARIANTS, MEMORY_VARIANTS, TRAIN_STEPS, DIT_BATCH, VIDEO_VARIANTS, PYTHON,
+# DEADLINE_S (start no stage after this many seconds; the report is rewritten after every
+# stage either way).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -45,6 +48,7 @@ if [[ "$DRY_RUN" == 1 ]]; then
     VARIANTS="${VARIANTS:-default lora_r32}"; DRAFTP_STEPS=4; CACHE_IMAGES=8; TRAIN_STEPS=4
     COMPILE_VARIANTS="${COMPILE_VARIANTS:-compile}"; MEMORY_VARIANTS="${MEMORY_VARIANTS:-adafactor}"
     DIT_XL=dit-tiny; DIT_RES=64; DIT_BATCH="${DIT_BATCH:-3}"
+    VIDEO_MODEL=dit-video-tiny; VIDEO_ARGS=(--resolution 64 --frames 9 --batch 1)
 else
     MODEL=sdxl; RES_LOW=512; RES_HIGH=1024; BATCH_512="${BATCH_512:-16}"
     BATCH_1024="${BATCH_1024:-4}"; STEPS="${STEPS:-10}"; WARMUP="${WARMUP:-3}"
@@ -53,7 +57,13 @@ else
     COMPILE_VARIANTS="${COMPILE_VARIANTS:-compile compile_unet cuda_graphs}"
     MEMORY_VARIANTS="${MEMORY_VARIANTS:-adafactor offload adamw_8bit}"
     DIT_XL=dit-xl; DIT_RES=256; DIT_BATCH="${DIT_BATCH:-48}"
+    VIDEO_MODEL=dit-7b-video; VIDEO_ARGS=()  # its own clip: 125 frames at 256², 8192 tokens
 fi
+# The 7B's fp32 weights, gradients and AdamW moments (113 GiB) do not fit one H100: adafactor
+# keeps fp32 weights only (no gradients kept: fused backward; factored moments), with
+# gradient checkpointing for the activations of 8192 tokens. low_memory (bf16 weights and
+# AdamW moments) also fits; the meta device cannot check it beforehand.
+VIDEO_VARIANTS="${VIDEO_VARIANTS:-adafactor}"
 
 setup() {
     # The carried wheels (fetch_wheels.sh) into a folder of their own, where the packages are
@@ -163,6 +173,17 @@ stage_dit_xl() {
     dit_bench dit-xl "$DIT_XL" "$DIT_RES" "$DIT_BATCH"
 }
 
+# The video DiT (#32): one clip of the seed's 8k context on one GPU, packed alone (one shape:
+# nothing to pad); tokens/s, TFLOP/s and MFU per GPU, tabled beside the seed's (report.py).
+stage_dit_video() {
+    # shellcheck disable=SC2086  # VIDEO_VARIANTS is a list of words
+    impasto bench --model "$VIDEO_MODEL" ${VIDEO_ARGS[@]+"${VIDEO_ARGS[@]}"} --steps "$STEPS" \
+        --warmup "$WARMUP" --rounds "$((ROUNDS > 1 ? ROUNDS : 2))" --precision bf16 \
+        --variants $VIDEO_VARIANTS --json > "$WORK/dit-video.json" || return 1
+    "$PY" -c "import json, sys; from impasto.bench import format_report; \
+print(format_report(json.load(open(sys.argv[1]))))" "$WORK/dit-video.json"
+}
+
 stage_draftp() {
     local run="$WORK/draftp-run" size="$RES_HIGH"
     rm -rf "$run"
@@ -238,8 +259,8 @@ PYEOF
 }
 
 STAGES=(env ceilings tests sdxl-512 sdxl-1024 sdxl-1024-compile sdxl-1024-memory fsdp draftp cache
-        train-cached dit-tiny dit-xl)
-[[ $# -eq 0 ]] && { sed -n '2,31p' "$0"; exit 2; }
+        train-cached dit-tiny dit-xl dit-video)
+[[ $# -eq 0 ]] && { sed -n '2,34p' "$0"; exit 2; }
 [[ "$1" == all ]] && set -- "${STAGES[@]}"
 for stage in "$@"; do
     [[ " ${STAGES[*]} " == *" $stage "* ]] || { echo "run.sh: unknown stage $stage; valid: ${STAGES[*]}"; exit 2; }

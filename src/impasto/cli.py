@@ -92,6 +92,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         parallel=args.parallel,
         nproc=args.nproc,
         estimate=args.estimate,
+        frames=args.frames,
     )
     if report is not None:  # None: a rank other than 0 of a parallel bench
         print(json.dumps(report) if args.json else format_report(report))
@@ -441,7 +442,8 @@ def _add_bench(sub: Subcommands) -> None:
         "--model",
         default="tiny",
         help="model preset: tiny, sdxl (default tiny), or FAMILY-PRESET of another family, "
-        "e.g. the diffusion transformer's sizes (timed packed against padded)",
+        "e.g. the diffusion transformer's sizes (timed packed against padded), or one of a "
+        "family's video models (FAMILY-video-tiny, FAMILY-7b-video: on clips)",
     )
     bench.add_argument(
         "--resolution", type=int, help="default: 64 for tiny, 1024 for sdxl; FAMILY-tiny 128, "
@@ -449,7 +451,7 @@ def _add_bench(sub: Subcommands) -> None:
     )  # fmt: skip
     bench.add_argument(
         "--batch", type=int, help="images per step (default 2; FAMILY-PRESET: as many of 3 "
-        "shapes as fill 3072 padded tokens)",
+        "shapes as fill 3072 padded tokens; video models: clips, as many of each --frames)",
     )  # fmt: skip
     bench.add_argument(
         "--steps", type=int, help="timed steps per variant (default 10; FAMILY-PRESET 3)"
@@ -467,6 +469,10 @@ def _add_bench(sub: Subcommands) -> None:
         help="FAMILY-PRESET: count FLOPs per token, parameters and memory on the meta device; "
         "time nothing (any size, on any machine)",
     )
+    bench.add_argument(
+        "--frames", type=int, nargs="+", metavar="N", help="video models: a clip shape per "
+        "frame count, k·4+1 (1: images); default 17 13 9 1 (video-tiny), 125 (7b-video)",
+    )  # fmt: skip
     bench.add_argument("--precision", default="auto", help="auto | bf16 | fp32 | pure_bf16")
     bench.add_argument("--device", default="auto")
     bench.add_argument(

@@ -19,7 +19,8 @@ visible GPU (or ``nproc`` CPU processes on gloo): see :mod:`impasto.bench.parall
 
 A model of another family, named ``FAMILY-PRESET``, has no diffusers baseline: its step is
 timed packed against padded, per image token (:mod:`impasto.bench.packed`); ``estimate``
-counts its FLOPs and memory on the meta device without timing.
+counts its FLOPs and memory on the meta device without timing. A family's video models
+(``FAMILY-NAME``, its ``clip_bench``) are timed alike on clips (``frames``: their frame counts).
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ def run_bench(
     parallel: str = "none",
     nproc: int | None = None,
     estimate: bool = False,
+    frames: Sequence[int] | None = None,
 ) -> dict[str, Any] | None:
     """Time the diffusers step and each variant; returns a JSON-able report. With ``parallel``
     (ddp, fsdp): :func:`run_parallel_bench` (its report; None on the ranks other than 0). A
     ``FAMILY-PRESET`` model: :func:`~impasto.bench.packed.run_packed_bench` (left-out
-    ``batch``, ``steps``, ``warmup`` and ``rounds`` take its defaults)."""
+    ``batch``, ``steps``, ``warmup`` and ``rounds`` take its defaults; ``frames``: a video
+    model's clips, one shape per frame count)."""
     if parallel not in ("none", *PARALLEL_STRATEGIES):
         raise ValueError(
             f"bench: unknown --parallel {parallel!r}; valid: {', '.join(PARALLEL_STRATEGIES)} "
@@ -103,10 +106,13 @@ def run_bench(
         return run_packed_bench(
             *named, resolution, batch, precision=precision, variants=tuple(variants),
             device=device, overrides=tuple(overrides), estimate=estimate,
+            frames=None if frames is None else tuple(frames),
             **{key: value for key, value in given.items() if value is not None},
         )  # fmt: skip
     if estimate:
         raise ValueError(f"bench: --estimate is for FAMILY-PRESET models, not {model}")
+    if frames is not None:
+        raise ValueError(f"bench: --frames is for the video models, not {model}; leave it out")
     batch, steps = batch or 2, steps or 10
     warmup, rounds = 3 if warmup is None else warmup, rounds or 1
     resolution = resolution or DEFAULT_RESOLUTION.get(model, 1024)

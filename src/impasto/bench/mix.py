@@ -1,7 +1,8 @@
-"""The images of the packed-vs-padded bench (:mod:`impasto.bench.packed`): the demo's three
-aspect ratios at a resolution, as a cache delivers them (random latents' posteriors and text
-embeddings, grouped by shape as a pack of ``data.pack_tokens``), and the sequence each layout
-needs for them."""
+"""The samples of the packed-vs-padded bench (:mod:`impasto.bench.packed`): images in the
+demo's three aspect ratios at a resolution, or square clips of several frame counts (a video
+model's: images are one-frame clips), as a cache delivers them (random latents' posteriors and
+text embeddings, grouped by shape as a pack of ``data.pack_tokens``), and the sequence each
+layout needs for them."""
 
 from __future__ import annotations
 
@@ -25,20 +26,33 @@ def pack_length(tokens: int) -> int:
 
 @dataclass(frozen=True)
 class ImageMix:
-    """The step's images: ``counts[i]`` images of ``shapes[i]`` (height, width), each of
-    ``tokens[i]`` tokens."""
+    """The step's samples: ``counts[i]`` samples of ``shapes[i]`` (height, width), each of
+    ``frames[i]`` frames (1: an image) and ``tokens[i]`` tokens. ``clips``: the samples are
+    clips of a video model, its images one-frame clips (``[C, 1, h, w]`` latents)."""
 
     shapes: tuple[tuple[int, int], ...]
     counts: tuple[int, ...]
     tokens: tuple[int, ...]
+    frames: tuple[int, ...] = ()  # () : every sample one frame
+    clips: bool = False
 
     @property
     def num_images(self) -> int:
+        """Samples (images and clips)."""
         return sum(self.counts)
 
     @property
     def image_tokens(self) -> int:
+        """The samples' tokens (without padding)."""
         return sum(c * t for c, t in zip(self.counts, self.tokens, strict=True))
+
+    def frame_counts(self) -> tuple[int, ...]:
+        return self.frames or (1,) * len(self.shapes)
+
+    def layouts(self) -> tuple[str, ...]:
+        """The layouts the bench times: padded and packed; packed alone when every sample
+        has one shape (nothing to pad: the two layouts are the same sequence)."""
+        return ("padded", "packed") if len(self.shapes) > 1 else ("packed",)
 
     def capacity(self, layout: str) -> int:
         """The sequence length (``data.pack_tokens``) of ``layout``."""
@@ -65,6 +79,35 @@ def image_mix(backbone: Backbone, resolution: int, images: int | None) -> ImageM
     return ImageMix(shapes, (images // len(shapes),) * len(shapes), tokens)
 
 
+def clip_mix(
+    backbone: Backbone, resolution: int, frames: tuple[int, ...], samples: int | None
+) -> ImageMix:
+    """Square clips of ``resolution`` pixels, one shape per count of ``frames`` (1: an image),
+    ``samples`` in all (default: as many as fill :data:`PADDED_TOKENS` padded tokens), as many
+    of each shape."""
+    if len(set(frames)) != len(frames):
+        raise ValueError(f"bench: --frames {' '.join(map(str, frames))} names a count twice; "
+                         "list each once")  # fmt: skip
+    tokens = []
+    for count in frames:
+        try:
+            tokens.append(backbone.sequence_length(resolution, resolution, count))
+        except ValueError as error:
+            raise ValueError(
+                f"bench: --frames {count} at --resolution {resolution}: {error}"
+            ) from None
+    if samples is None:
+        samples = max(1, PADDED_TOKENS // max(tokens) // len(frames)) * len(frames)
+    if samples < 1 or samples % len(frames):
+        raise ValueError(
+            f"bench: --batch {samples}: the step holds as many clips of each of the "
+            f"{len(frames)} frame counts; use a multiple of {len(frames)}"
+        )
+    shapes = ((resolution, resolution),) * len(frames)
+    count = samples // len(frames)
+    return ImageMix(shapes, (count,) * len(frames), tuple(tokens), tuple(frames), clips=True)
+
+
 def synthetic_pack(backbone: Backbone, mix: ImageMix, seed: int = 0) -> Batch:
     """A pack as the cache delivers it: one group of random latents' posteriors and text
     embeddings per shape (the text's shapes are what ``backbone`` encodes)."""
@@ -72,8 +115,10 @@ def synthetic_pack(backbone: Backbone, mix: ImageMix, seed: int = 0) -> Batch:
     with torch.no_grad():
         text = backbone.encode_text([""])
     groups, first = [], 0
-    for (height, width), count in zip(mix.shapes, mix.counts, strict=True):
-        latent = backbone.latent_shape(height, width)
+    for (height, width), count, frames in zip(
+        mix.shapes, mix.counts, mix.frame_counts(), strict=True
+    ):
+        latent = backbone.latent_shape(height, width, frames if mix.clips else None)
         sizes = torch.tensor([[height, width]] * count)
         groups.append(Batch(
             pixel_values=None, captions=[""] * count, original_sizes=sizes,

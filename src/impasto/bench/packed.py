@@ -1,5 +1,6 @@
 """``impasto bench --model FAMILY-PRESET``: the trainer's step on a model that packs tokens
-(``data.pack_tokens``), packed against padded, per image token.
+(``data.pack_tokens``), packed against padded, per image token; ``FAMILY-NAME`` of a family's
+video models (:class:`~impasto.models.backbone.ClipBenchModel`), per clip token.
 
 The step trains on one micro-batch of images of three bucket shapes, the demo's aspect ratios
 (64x64, 48x80, 80x48) scaled to the resolution, as a cache delivers them (random latents and
@@ -21,6 +22,11 @@ them, so ``--estimate`` reports them for any size without timing. TFLOP/s and MF
 images' FLOPs (the packed count less its padding) in both rows. The layouts run interleaved,
 A B A B, for ``rounds``; each round's ratio (padded time / packed time) gives a median and a
 spread.
+
+A video model's step trains on square clips of several frame counts instead (``--frames``; an
+image is a one-frame clip), through the family's video autoencoder, as a video run's cache
+delivers them: each clip's tokens count its latent frames. With one shape only (the 7B video
+model's one 8k-token clip) nothing is padded and the packed layout runs alone.
 """
 
 from __future__ import annotations
@@ -33,14 +39,14 @@ from typing import Any
 import torch
 
 from impasto.bench.meta import MetaStep, count_meta_flops, measure_meta_step, meta_backbone
-from impasto.bench.mix import PACK_MULTIPLE, ImageMix, image_mix, synthetic_pack
+from impasto.bench.mix import PACK_MULTIPLE, ImageMix, clip_mix, image_mix, synthetic_pack
 from impasto.bench.report import count
 from impasto.bench.step import VARIANTS, ImpastoStep, bench_config, free_memory, time_steps
 from impasto.config import Config
 from impasto.config.schema import ModelConfig
 from impasto.data import Batch
 from impasto.logging.flops import peak_tflops
-from impasto.models.backbone import FAMILIES, reusing_builds
+from impasto.models.backbone import FAMILIES, Backbone, ClipBenchModel, reusing_builds
 from impasto.precision import resolve_device
 from impasto.train.checks import check_config
 
@@ -54,28 +60,41 @@ FLOPS_METHOD = (
 
 
 def family_preset(model: str) -> tuple[str, str] | None:
-    """``(family, preset)`` of ``--model FAMILY-PRESET`` for a family other than the default
-    one (whose presets are named alone: ``tiny``, ``sdxl``); None for those."""
+    """``(family, name)`` of ``--model FAMILY-NAME`` for a family other than the default one
+    (whose presets are named alone: ``tiny``, ``sdxl``), ``name`` a preset or one of the
+    family's video models (``clip_bench``); None for those."""
     import impasto.models  # noqa: F401  (registers the families)
 
     default = ModelConfig.model_fields["family"].default
     for family, spec in FAMILIES.items():
-        preset = model.removeprefix(f"{family}-")
-        if family != default and preset != model and preset in spec.presets:
-            return family, preset
+        name = model.removeprefix(f"{family}-")
+        if (
+            family != default
+            and name != model
+            and (name in spec.presets or name in spec.clip_bench)
+        ):
+            return family, name
     return None
 
 
 def model_names() -> list[str]:
-    """Every ``--model`` name: the default family's presets, then FAMILY-PRESET."""
+    """Every ``--model`` name: the default family's presets, then FAMILY-PRESET, then each
+    family's video models."""
     import impasto.models  # noqa: F401
 
     default = ModelConfig.model_fields["family"].default
     names = list(FAMILIES[default].presets)
     for family, spec in FAMILIES.items():
         if family != default:
-            names += [f"{family}-{preset}" for preset in spec.presets]
+            names += [f"{family}-{name}" for name in (*spec.presets, *spec.clip_bench)]
     return names
+
+
+def clip_model_names() -> list[str]:
+    """The ``--model`` names of video models (the ones ``--frames`` applies to)."""
+    import impasto.models  # noqa: F401
+
+    return [f"{family}-{name}" for family, spec in FAMILIES.items() for name in spec.clip_bench]
 
 
 @dataclass(frozen=True)
@@ -99,7 +118,7 @@ class Flops:
     """Forward + backward FLOPs of one step: of the images alone (the model's work, what
     TFLOP/s and MFU count), and of each layout's sequence with its padding."""
 
-    images: int
+    images: int  # the samples' (images or clips)
     packed: int
     padded: int
 
@@ -122,8 +141,9 @@ def layout_flops(count: Callable[[int], int], mix: ImageMix) -> Flops:
 
 @dataclass(frozen=True)
 class BenchPlan:
-    """What the timed runs share: the user's settings, the images, their FLOPs, the meta
-    step of the packed layout and the config of each (variant, layout)."""
+    """What the timed runs share: the user's settings, the samples, their FLOPs, the meta
+    step of the packed layout (the default variant's: FLOPs, parameters) and of each
+    variant (its memory), and the config of each (variant, layout)."""
 
     model: str
     resolution: int
@@ -134,15 +154,55 @@ class BenchPlan:
     meta: MetaStep  # the packed step's
     flops: Flops
     configs: dict[tuple[str, str], Config]
+    states: dict[str, MetaStep | None]  # each variant's packed meta step (its memory)
+
+
+def variant_state(config: Config, data: Batch) -> MetaStep | None:
+    """The meta step of a variant's config; None where its optimizer cannot step on the meta
+    device (stochastic rounding draws from a device generator: pure_bf16, low_memory)."""
+    try:
+        return measure_meta_step(config, data)
+    except RuntimeError as error:
+        if "meta" not in str(error).lower():
+            raise
+        return None
+
+
+def clip_options(family: str, clips: ClipBenchModel | None) -> tuple[str, ...]:
+    """The ``model.<family>`` overrides that make a video model (before the user's ``--set``,
+    which may change them: ``--set model.<family>.attention=spatiotemporal``)."""
+    if clips is None:
+        return ()
+    return tuple(f"model.{family}.{key}={value}" for key, value in clips.options.items())
+
+
+def bench_mix(
+    probe: Backbone, clips: ClipBenchModel | None, resolution: int, frames: tuple[int, ...] | None,
+    batch: int | None, model: str,
+) -> ImageMix:  # fmt: skip
+    """The step's samples: a video model's clips, or the images of an image model."""
+    if clips is None:
+        if frames is not None:
+            raise ValueError(
+                f"bench: --frames is for the video models ({', '.join(clip_model_names())}); "
+                f"{model} trains on images, leave --frames out"
+            )
+        return image_mix(probe, resolution, batch)
+    samples = clips.samples if batch is None else batch
+    return clip_mix(probe, resolution, frames or clips.frames, samples)
 
 
 def plan_bench(
     family: str, preset: str, resolution: int | None, batch: int | None, precision: str,
     variants: tuple[str, ...], device: str, overrides: tuple[str, ...],
+    frames: tuple[int, ...] | None = None,
 ) -> BenchPlan:  # fmt: skip
-    """Configs, images and the meta step of each layout (nothing large is built here)."""
-    resolution = resolution or DEFAULT_RESOLUTION
-    user = (f"model.family={family}", *overrides)
+    """Configs, samples and the meta step of each layout (nothing large is built here)."""
+    name, clips = preset, FAMILIES[family].clip_bench.get(preset)
+    if clips is not None:
+        preset = clips.preset
+    resolution = resolution or (clips.resolution if clips is not None else DEFAULT_RESOLUTION)
+    user = (f"model.family={family}", *clip_options(family, clips), *overrides)
 
     def config(variant: str, tokens: int | None) -> Config:
         extra = {} if tokens is None else {"data.pack_tokens": tokens}
@@ -153,7 +213,7 @@ def plan_bench(
     base = config("default", None)
     check_config(base)  # the user's --model and --set names
     probe = meta_backbone(base)
-    mix = image_mix(probe, resolution, batch)
+    mix = bench_mix(probe, clips, resolution, frames, batch, f"{family}-{name}")
     data = synthetic_pack(probe, mix)
     meta = measure_meta_step(config("default", mix.capacity("packed")), data)
 
@@ -163,13 +223,19 @@ def plan_bench(
         return count_meta_flops(config("default", tokens), data)
 
     flops = layout_flops(flops_at, mix)
-    configs = {(v, layout): config(v, mix.capacity(layout)) for v in variants for layout in LAYOUTS}
-    return BenchPlan(f"{family}-{preset}", resolution, precision, base.train.device, mix, data,
-                     meta, flops, configs)  # fmt: skip
+    configs = {
+        (v, layout): config(v, mix.capacity(layout)) for v in variants for layout in mix.layouts()
+    }
+    states = {v: meta if v == "default" else variant_state(configs[v, "packed"], data)
+              for v in variants}  # fmt: skip
+    return BenchPlan(f"{family}-{name}", resolution, precision, base.train.device, mix, data,
+                     meta, flops, configs, states)  # fmt: skip
 
 
-def check_fits(plan: BenchPlan, target: torch.device) -> None:
-    """Refuse a model too large for the device in one line, before building it."""
+def check_fits(plan: BenchPlan, target: torch.device) -> dict[tuple[str, str], str]:
+    """Refuse a model too large for the device in one line, before building it; on a GPU,
+    the variants whose weights, gradients, optimizer state and EMA alone exceed its memory
+    are not built: (variant, layout) → why (a one-line error when no variant fits)."""
     packed = plan.meta
     if target.type == "cpu" and packed.trained_parameters > CPU_MAX_PARAMETERS:
         raise ValueError(
@@ -177,25 +243,36 @@ def check_fits(plan: BenchPlan, target: torch.device) -> None:
             f"many to time on the CPU (at most {count(CPU_MAX_PARAMETERS)}); time it "
             "on a GPU, or add --estimate for its FLOPs per token and memory only"
         )
-    if target.type == "cuda":
-        total = torch.cuda.get_device_properties(target).total_memory
-        if packed.state_bytes > total:
-            raise ValueError(
-                f"bench: {plan.model}'s weights, gradients, optimizer state and EMA take "
-                f"{packed.state_bytes / 2**30:.1f} GiB before activations, more than the "
-                f"{total / 2**30:.1f} GiB of {torch.cuda.get_device_name(target)}; see "
-                "--estimate, or shard it over several GPUs"
-            )
+    if target.type != "cuda":
+        return {}
+    total = torch.cuda.get_device_properties(target).total_memory
+    too_large = {v: state for v, state in plan.states.items()
+                 if state is not None and state.state_bytes > total}  # fmt: skip
+    if len(too_large) == len(plan.states):
+        state = min(too_large.values(), key=lambda each: each.state_bytes)
+        raise ValueError(
+            f"bench: {plan.model}'s weights, gradients, optimizer state and EMA take "
+            f"{state.state_bytes / 2**30:.1f} GiB before activations, more than the "
+            f"{total / 2**30:.1f} GiB of {torch.cuda.get_device_name(target)}; see "
+            "--estimate, try --variants low_memory, or shard it over several GPUs"
+        )
+    return {
+        key: f"does not fit: {too_large[key[0]].state_bytes / 2**30:.1f} GiB before activations"
+        for key in plan.configs
+        if key[0] in too_large
+    }
 
 
 def time_layouts(
-    plan: BenchPlan, target: torch.device, steps: int, warmup: int, rounds: int
-) -> tuple[dict[tuple[str, str], list[float]], dict, dict[tuple[str, str], str]]:
+    plan: BenchPlan, target: torch.device, steps: int, warmup: int, rounds: int,
+    skipped: dict[tuple[str, str], str] | None = None,
+) -> tuple[dict[tuple[str, str], list[float]], dict, dict[tuple[str, str], str]]:  # fmt: skip
     """(seconds per round, peak GiB, errors) of each (variant, layout), interleaved: each
-    round times every one once, a fresh model (a copy of one build) each time."""
+    round times every one once, a fresh model (a copy of one build) each time; ``skipped``
+    ones (they do not fit) are reported with their reason, not built."""
     times: dict[tuple[str, str], list[float]] = {key: [] for key in plan.configs}
     peaks: dict[tuple[str, str], float | None] = {}
-    errors: dict[tuple[str, str], str] = {}
+    errors: dict[tuple[str, str], str] = dict(skipped or {})
     with reusing_builds():
         for _ in range(rounds):
             for key, config in plan.configs.items():
@@ -218,17 +295,18 @@ def run_packed_bench(
     steps: int = 2, warmup: int = 1, rounds: int = 3, precision: str = "auto",
     variants: tuple[str, ...] = ("default",), device: str = "auto",
     overrides: tuple[str, ...] = (), estimate: bool = False,
+    frames: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Time the packed and the padded step of ``family``'s ``preset`` (or, with
-    ``estimate``, only count its FLOPs and memory); returns a JSON-able report."""
+    """Time the packed and the padded step of ``family``'s ``preset`` or video model (or,
+    with ``estimate``, only count its FLOPs and memory); returns a JSON-able report."""
     plan = plan_bench(family, preset, resolution, batch, precision, tuple(variants), device,
-                      tuple(overrides))  # fmt: skip
+                      tuple(overrides), frames)  # fmt: skip
     target = resolve_device(plan.device)
     report = describe(plan, target, steps, rounds, estimate)
     if estimate:
         return report
-    check_fits(plan, target)
-    times, peaks, errors = time_layouts(plan, target, steps, warmup, rounds)
+    skipped = check_fits(plan, target)
+    times, peaks, errors = time_layouts(plan, target, steps, warmup, rounds, skipped)
     report["ratios"] = ratios(times, tuple(variants), errors)
     speedups = {ratio["variant"]: ratio["median"] for ratio in report["ratios"]}
     rows = packed_rows(plan, target, times, peaks, errors, speedups)
@@ -239,8 +317,12 @@ def run_packed_bench(
 def describe(
     plan: BenchPlan, target: torch.device, steps: int, rounds: int, estimate: bool
 ) -> dict[str, Any]:
-    """The report without timings: the images, the FLOPs and the memory."""
+    """The report without timings: the samples, the FLOPs and the memory (of the first
+    variant: ``memory_variant``)."""
     mix, packed = plan.mix, plan.meta
+    memory_variant, state = next(
+        ((v, state) for v, state in plan.states.items() if state is not None), ("default", packed)
+    )
     return {
         "model": plan.model,
         "resolution": plan.resolution,
@@ -250,12 +332,16 @@ def describe(
         "steps": steps,
         "rounds": rounds,
         "images": mix.num_images,
+        "clips": mix.clips,  # a video model: images and clips as clips (frames below)
         "shapes": [
-            {"height": h, "width": w, "images": count, "tokens": tokens}
-            for (h, w), count, tokens in zip(mix.shapes, mix.counts, mix.tokens, strict=True)
+            {"frames": f, "height": h, "width": w, "images": count, "tokens": tokens}
+            for (h, w), f, count, tokens in zip(
+                mix.shapes, mix.frame_counts(), mix.counts, mix.tokens, strict=True
+            )
         ],
-        "image_tokens": mix.image_tokens,
+        "image_tokens": mix.image_tokens,  # the samples' tokens, images' and clips'
         "sequence_tokens": {layout: mix.capacity(layout) for layout in LAYOUTS},
+        "layouts": list(mix.layouts()),
         "flops_method": FLOPS_METHOD,
         "flops_per_step": plan.flops.images,  # the images' (what TFLOP/s and MFU count)
         "flops_per_token": plan.flops.images / mix.image_tokens,
@@ -263,13 +349,14 @@ def describe(
         "padded_flops_per_step": plan.flops.padded,
         "trained_parameters": packed.trained_parameters,
         "frozen_parameters": packed.frozen_parameters,
+        "memory_variant": memory_variant,
         "memory_gib": {
-            "weights": packed.weights_bytes / 2**30,
-            "gradients": packed.gradients_bytes / 2**30,
-            "optimizer": packed.optimizer_bytes / 2**30,
-            "ema": packed.ema_bytes / 2**30,
-            "trained_total": packed.state_bytes / 2**30,
-            "frozen": packed.frozen_bytes / 2**30,
+            "weights": state.weights_bytes / 2**30,
+            "gradients": state.gradients_bytes / 2**30,
+            "optimizer": state.optimizer_bytes / 2**30,
+            "ema": state.ema_bytes / 2**30,
+            "trained_total": state.state_bytes / 2**30,
+            "frozen": state.frozen_bytes / 2**30,
         },
         "rows": [],
         "ratios": [],
@@ -308,7 +395,8 @@ def ratios(times: dict, variants: tuple[str, ...], errors: dict) -> list[dict[st
     """Per variant, each round's padded time / packed time: the median and the spread."""
     out = []
     for variant in variants:
-        if (variant, "padded") in errors or (variant, "packed") in errors:
+        keys = ((variant, "padded"), (variant, "packed"))
+        if any(key in errors or key not in times for key in keys):
             continue
         pairs = zip(times[variant, "padded"], times[variant, "packed"], strict=True)
         each = [padded / packed for padded, packed in pairs]

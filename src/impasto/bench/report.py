@@ -40,31 +40,40 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def format_packed_report(report: dict[str, Any]) -> str:
-    """The packed-vs-padded report: the images, FLOPs and memory, then (unless it is an
+    """The packed-vs-padded report: the samples, FLOPs and memory, then (unless it is an
     estimate) a row per variant and layout and the ratio of each variant."""
     show, memory = show_value, report["memory_gib"]
-    shapes = ", ".join(
-        f"{s['images']} × {s['height']}x{s['width']} of {s['tokens']} tokens"
-        for s in report["shapes"]
-    )
+    clips = report.get("clips", False)
+    noun, tokens = ("samples", "sample tokens") if clips else ("images", "image tokens")
     sequence = report["sequence_tokens"]
     extra = report["padded_flops_per_step"] / report["packed_flops_per_step"] - 1
+    variant = report.get("memory_variant", "default")
     lines = [
         f"impasto bench{' --estimate' if report['estimate'] else ''}: {report['model']} at "
         f"{report['resolution']}², {report['precision']}, {report['device']}; "
-        f"{report['images']} images ({shapes}): {report['image_tokens']} image tokens",
+        f"{report['images']} {noun if report['images'] != 1 else noun[:-1]} "
+        f"({describe_shapes(report['shapes'], clips)}): "
+        f"{report['image_tokens']} {tokens}",
         f"parameters: {count(report['trained_parameters'])} trained, "
         f"{count(report['frozen_parameters'])} frozen; "
-        f"{count(report['flops_per_token'], 'FLOP')} per image token, "
+        f"{count(report['flops_per_token'], 'FLOP')} per {tokens[:-1]}, "
         f"{count(report['flops_per_step'], 'FLOP')} per step ({report['flops_method']})",
-        f"memory before activations: weights {memory['weights']:.2f} + gradients "
-        f"{memory['gradients']:.2f} + optimizer {memory['optimizer']:.2f} + EMA "
-        f"{memory['ema']:.2f} = {memory['trained_total']:.2f} GiB trained; frozen networks "
-        f"{memory['frozen']:.2f} GiB",
-        f"packed: the images end to end in {sequence['packed']} tokens; padded (baseline): "
-        f"each padded to the largest image's tokens, {sequence['padded']} tokens "
-        f"({extra:+.1%} FLOPs)",
+        f"memory before activations{'' if variant == 'default' else f' ({variant})'}: "
+        f"weights {memory['weights']:.2f} + gradients {memory['gradients']:.2f} + optimizer "
+        f"{memory['optimizer']:.2f} + EMA {memory['ema']:.2f} = "
+        f"{memory['trained_total']:.2f} GiB trained; frozen networks {memory['frozen']:.2f} GiB",
     ]
+    if "padded" in report.get("layouts", ("padded", "packed")):
+        lines.append(
+            f"packed: the {noun} end to end in {sequence['packed']} tokens; padded (baseline): "
+            f"each padded to the largest one's tokens, {sequence['padded']} tokens "
+            f"({extra:+.1%} FLOPs)"
+        )
+    else:
+        lines.append(
+            f"packed: {sequence['packed']} tokens; one shape, nothing to pad: the padded "
+            "layout is the same sequence and is not timed"
+        )
     if report["estimate"]:
         return "\n".join([*lines, "estimate only: nothing was timed"])
     lines += [
@@ -89,6 +98,19 @@ def format_packed_report(report: dict[str, Any]) -> str:
             f"{len(ratio['rounds'])} rounds, {ratio['min']:.3f}-{ratio['max']:.3f})"
         )
     return "\n".join(lines)
+
+
+def describe_shapes(shapes: list[dict[str, Any]], clips: bool) -> str:
+    """``4 × 256x256 of 256 tokens, ...``; clips: ``9 × 17 frames of 64x64, 80 tokens``."""
+    if not clips:
+        return ", ".join(
+            f"{s['images']} × {s['height']}x{s['width']} of {s['tokens']} tokens" for s in shapes
+        )
+    return ", ".join(
+        f"{s['images']} × {s['frames']} frame{'s' if s['frames'] > 1 else ''} of "
+        f"{s['height']}x{s['width']}, {s['tokens']} tokens"
+        for s in shapes
+    )
 
 
 def count(value: float, unit: str = "") -> str:

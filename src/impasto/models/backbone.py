@@ -214,13 +214,29 @@ class ContextParallelPlan:
 
 
 @dataclass(frozen=True)
+class ClipBenchModel:
+    """A video model of ``impasto bench --model FAMILY-NAME`` beyond the family's presets: a
+    preset trained on clips, the ``model.<family>`` options that make it one (its video
+    autoencoder, its attention layout), and the clips of the bench's step: squares of
+    ``resolution`` pixels with each of ``frames`` frames (1: an image), ``samples`` in all
+    (None: the bench's default count)."""
+
+    preset: str
+    options: Mapping[str, Any]
+    resolution: int
+    frames: tuple[int, ...]
+    samples: int | None = None
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """What the config of a family may name, known without building a model: its parts (in
     the backbone's order), its presets, and the pydantic section of its options
     (``model.<family>``; None: it takes none), whether it reads ``model.text_encoder``, and
     the export formats it writes itself (``impasto export --format``: a writer of the rebuilt
     backbone, :mod:`impasto.export.family`), whether it splits for ``parallel.tp`` and
-    ``parallel.cp``, and whether it trains on clips (``data.video``)."""
+    ``parallel.cp``, whether it trains on clips (``data.video``), and its video models of
+    ``impasto bench`` (``--model FAMILY-NAME``)."""
 
     parts: tuple[str, ...]
     presets: tuple[str, ...]
@@ -230,6 +246,7 @@ class FamilySpec:
     tensor_parallel: bool = False  # parallel.tp: its backbone has a TensorParallelPlan
     context_parallel: bool = False  # parallel.cp: its backbone has a ContextParallelPlan
     video: bool = False  # data.video: its denoiser takes clips (a frame axis)
+    clip_bench: Mapping[str, ClipBenchModel] = field(default_factory=dict)  # bench --model
 
     def read_options(self, raw: dict[str, Any], family: str) -> BaseModel | None:
         """The validated ``model.<family>`` section (ValueError naming the key if it is bad)."""

@@ -24,7 +24,7 @@ from impasto.models.dit.backbone import PART_NAMES, DiTBackbone, DiTComponents
 from impasto.models.dit.files import save_dit_folder
 from impasto.models.dit.network import DiT, DiTConfig
 from impasto.models.dit.options import DiTOptions
-from impasto.models.dit.sizes import SIZES
+from impasto.models.dit.sizes import CLIP_BENCH, SIZES
 from impasto.models.dit.text import (
     TextEncoders,
     check_pair_length,
@@ -45,6 +45,7 @@ SPEC = FamilySpec(
     tensor_parallel=True,
     context_parallel=True,
     video=True,
+    clip_bench=CLIP_BENCH,
 )
 
 
