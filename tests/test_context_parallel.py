@@ -1,13 +1,15 @@
-"""Context parallelism (``parallel.cp``, issue #32): Ulysses all-to-all over the DiT's sequence.
+"""Context parallelism (``parallel.cp``, issue #32): Ulysses all-to-all and ring attention
+(``parallel.cp_mode``) over the DiT's sequence.
 
 Fast tests run a group of ranks as threads of this process (:class:`ThreadGroup`, the
 exchanges of :class:`~impasto.models.sequence_parallel.Collectives` through shared memory):
 the all-to-all's layout, and a DiT split over 2 or 4 "ranks" predicting what one does, with
 gradients whose mean over the ranks (what FSDP's average over the data x cp ranks makes) is
 one process's, for packs of mixed shapes (full and ST-DiT attention, grouped and masked SDPA
-kernels) and dense batches. The slow tests train with torchrun on CPU (gloo): cp 2 equals one
-process after 3 steps for a packed ``full`` DiT and for an ST-DiT on clips, and a cp 2
-checkpoint resumes at cp 1. Every launch sets OMP_NUM_THREADS=1.
+kernels) and dense batches, in both modes. The slow tests train with torchrun on CPU (gloo):
+cp 2 equals one process after 3 steps for a packed ``full`` DiT (all-to-all and ring) and
+for an ST-DiT on clips, tp 2 x a ring of cp 2 too, and a cp 2 checkpoint resumes at cp 1.
+Every launch sets OMP_NUM_THREADS=1. The ring's own math: tests/test_ring_attention.py.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch import Tensor
 from impasto.checkpoint.sharded import is_sharded
 from impasto.config import build_config
 from impasto.distributed import RunGroup
-from impasto.models import build_backbone
+from impasto.models import build_backbone, sequence_parallel
 from impasto.models.dit.network import DiT, DiTConfig
 from impasto.models.sequence_parallel import SequenceParallel
 from impasto.train.context_parallel import check_context_plan
@@ -91,14 +93,22 @@ class ThreadCollectives:
     def all_gather(self, x: Tensor) -> Tensor:
         return _AllGather.apply(x, self.group, self.rank)
 
+    def ring_shift(self, x: Tensor) -> Callable[[], Tensor]:
+        received = self.group.swap(self.rank, x)[(self.rank - 1) % self.size]
+        return lambda: received
 
-def on_threads(size: int, work: Callable[[SequenceParallel, int], Any]) -> list[Any]:
-    """``work(parallel, rank)`` on ``size`` threads, one rank each; the results in rank order."""
+
+def on_threads(
+    size: int, work: Callable[[SequenceParallel, int], Any], mode: str = "ulysses"
+) -> list[Any]:
+    """``work(parallel, rank)`` on ``size`` threads, one rank each (``mode``: the
+    context-parallel mode); the results in rank order."""
     group, results, errors = ThreadGroup(size), [None] * size, []
 
     def run(rank: int) -> None:
         try:
-            results[rank] = work(SequenceParallel(ThreadCollectives(group, rank)), rank)
+            parallel = SequenceParallel(ThreadCollectives(group, rank), mode)
+            results[rank] = work(parallel, rank)
         except BaseException as error:  # re-raised below; the others stop at the barrier
             errors.append(error)
             group.barrier.abort()
@@ -168,21 +178,33 @@ def predict(network: DiT, data: tuple, packed: bool, kernel: str) -> tuple[list[
     return [out.detach() for out in outputs], grads
 
 
+ALTERNATING = {"attention": "alternating", "block": "adaln"}
 CASES = {
-    "full-pack": ({"block": "cross"}, IMAGES, True, "grouped", 2),
-    "full-pack-sdpa-4": ({"block": "llama"}, IMAGES, True, "sdpa", 4),
-    "st-dit-clips": ({"attention": "spatiotemporal"}, CLIPS, True, "grouped", 2),
-    "alternating-clips": ({"attention": "alternating", "block": "adaln"}, CLIPS, True, "sdpa", 2),
-    "dense-clips": ({"attention": "spatiotemporal"}, [(2, 3, 4, 8)], False, "auto", 2),
-    "dense-odd": ({"block": "cross"}, [(2, 6, 6)], False, "grouped", 2),  # 9 tokens: a pack
+    "full-pack": ({"block": "cross"}, IMAGES, True, "grouped", 2, "ulysses"),
+    "full-pack-sdpa-4": ({"block": "llama"}, IMAGES, True, "sdpa", 4, "ulysses"),
+    "st-dit-clips": ({"attention": "spatiotemporal"}, CLIPS, True, "grouped", 2, "ulysses"),
+    "alternating-clips": (ALTERNATING, CLIPS, True, "sdpa", 2, "ulysses"),
+    "dense-clips": ({"attention": "spatiotemporal"}, [(2, 3, 4, 8)], False, "auto", 2, "ulysses"),
+    "dense-odd": ({"block": "cross"}, [(2, 6, 6)], False, "grouped", 2, "ulysses"),  # a pack
+    # ring mode: full attention (document mask) ringed, the rest all-to-all
+    "ring-full-pack": ({"block": "cross"}, IMAGES, True, "grouped", 2, "ring"),
+    "ring-full-pack-4": ({"block": "llama"}, IMAGES, True, "sdpa", 4, "ring"),
+    "ring-full-clips": ({"block": "adaln"}, CLIPS, True, "grouped", 4, "ring"),
+    "ring-st-dit-clips": ({"attention": "spatiotemporal"}, CLIPS, True, "grouped", 2, "ring"),
+    "ring-dense": ({"block": "cross"}, [(2, 8, 8)], False, "auto", 4, "ring"),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_split_dit_predicts_and_trains_like_one_process(case):
+def test_a_split_dit_predicts_and_trains_like_one_process(case, monkeypatch):
     """Each rank's prediction is the whole one; the mean of the ranks' gradients is one
-    process's (FSDP averages over the data x cp ranks)."""
-    options, shapes, packed, kernel, size = CASES[case]
+    process's (FSDP averages over the data x cp ranks). Ring mode rings the full blocks
+    only (an ST-DiT has none: all-to-all throughout)."""
+    options, shapes, packed, kernel, size, mode = CASES[case]
+    ringed = []
+    ring = sequence_parallel.ring_self_attention
+    monkeypatch.setattr(sequence_parallel, "ring_self_attention",
+                        lambda *args: ringed.append(args) or ring(*args))  # fmt: skip
     network = perturbed(DiTConfig(**options))
     data = inputs(network.config, shapes)
     want, want_grads = predict(network, data, packed, kernel)
@@ -193,12 +215,14 @@ def test_a_split_dit_predicts_and_trains_like_one_process(case):
         replica.sequence_parallel, replica.token_multiple = parallel, size
         return predict(replica, data, packed, kernel)
 
-    results = on_threads(size, work)
+    results = on_threads(size, work, mode)
     for outputs, _ in results:
         torch.testing.assert_close(outputs, want, rtol=1e-5, atol=1e-5)
     for name, want_grad in want_grads.items():
         mean = torch.stack([grads[name] for _, grads in results]).mean(0)
         torch.testing.assert_close(mean, want_grad, rtol=1e-4, atol=1e-5, msg=name)
+    full = mode == "ring" and "full" in network.config.layouts
+    assert len(ringed) == (size if full else 0)  # once per forward and rank
 
 
 def test_cp_refuses_what_it_cannot_split(tmp_path):
@@ -236,6 +260,7 @@ def test_cp_refuses_what_it_cannot_split(tmp_path):
 SIZES = [(64, 64), (48, 80), (80, 48)]  # 16 and 15 tokens per image: packs of mixed shapes
 SAMPLE = {"every_steps": 3, "prompts": ["a red circle"], "num_steps": 2, "resolution": 48}
 CHECKPOINTED = {"gradient_checkpointing": "all"}  # recomputes the exchanges in backward
+RING = {"cp_mode": "ring"}
 
 
 def raw_config(images: Path, out: Path, strategy: str, cp: int = 1, steps: int = 3,
@@ -293,10 +318,12 @@ def video_sections(clips: Path, vae: Path) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """``cp2`` (fsdp) and ``cp2-video`` (hsdp, activation checkpointing): 2 ranks, one
-    context-parallel group; on 4 ranks, ``mesh``: 2 data shares x cp 2 (fsdp over the
-    flattened shard x cp dimension) and ``tp2-cp2``: one share, tp 2 inside cp 2 (one head
-    per rank); ``resume``: ``cp2``'s run continued from its step 3 at cp 1 to step 5;
+    """``cp2`` (fsdp), ``cp2-ring`` (fsdp, ring attention over the pack's documents) and
+    ``cp2-video`` (hsdp, activation checkpointing; ring mode, which for an ST-DiT is the
+    all-to-all hybrid): 2 ranks, one context-parallel group; on 4 ranks, ``mesh``: 2 data
+    shares x cp 2 (fsdp over the flattened shard x cp dimension) and ``tp2-cp2``: one share,
+    tp 2 inside a ring of cp 2 (one head per rank); ``resume``: ``cp2``'s run continued from
+    its step 3 at cp 1 to step 5;
     ``one-*``: the one-process references (``one-accum``: 2 packs per step, as 2 data shares
     take)."""
     pytest.importorskip("av")
@@ -319,11 +346,12 @@ def runs(tmp_path_factory) -> Path:
 
     launch_plan(tmp, [
         (config("cp2", "fsdp", 2, sample=SAMPLE), False),
-        (config("cp2-video", "hsdp", 2, video=True, memory=CHECKPOINTED), False),
+        (config("cp2-ring", "fsdp", 2, parallel=RING), False),
+        (config("cp2-video", "hsdp", 2, video=True, memory=CHECKPOINTED, parallel=RING), False),
     ])  # fmt: skip
     launch_plan(tmp, [
         (config("mesh", "fsdp", 2), False),
-        (config("tp2-cp2", "fsdp", 2, parallel={"tp": 2}), False),
+        (config("tp2-cp2", "fsdp", 2, parallel={"tp": 2, **RING}), False),
     ], nproc=4)  # fmt: skip
     shutil.copytree(out / "cp2", out / "resume")
     in_process(
@@ -337,11 +365,11 @@ def runs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["cp2", "cp2-video"])
+@pytest.mark.parametrize("run", ["cp2", "cp2-ring", "cp2-video"])
 def test_two_way_context_parallel_trains_like_one_process(runs, run):
     """Losses, gradient norms, weights and EMA after 3 steps equal one process's (float
     tolerance; Adam would hide a gradient off by a constant factor, the norm does not)."""
-    reference = runs / run.replace("cp2", "one")
+    reference = runs / run.replace("cp2", "one").replace("-ring", "")
     assert_same_training(runs / run, reference)
     assert_same_training(runs / run, reference, ema=True)
     torch.testing.assert_close(grad_norms(runs / run), grad_norms(reference), rtol=1e-4, atol=0)

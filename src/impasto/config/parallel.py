@@ -62,6 +62,16 @@ class ParallelConfig(Section):
         "among them), a family that has a plan (the diffusion transformer) and heads "
         "divisible by cp x tp: docs/distributed.md",
     )
+    cp_mode: Literal["ulysses", "ring"] = Field(
+        "ulysses",
+        description="how full self-attention crosses a parallel.cp group: ulysses: an "
+        "all-to-all gives each rank every token for heads / cp heads (one exchange of q, k, v "
+        "and the output); ring: each rank keeps its queries and the key/value shards pass "
+        "around the group (cp - 1 hops, and as many in backward), so no rank holds the whole "
+        "sequence's keys and values, for sequences longer than one node holds. A pack's "
+        "document mask is kept in both; spatial, temporal and cross-attention use the "
+        "all-to-all in both (docs/distributed.md)",
+    )
     timeout_s: Int = Field(
         1800,
         ge=10,

@@ -24,6 +24,14 @@ gathered output, so each holds ``n`` times its shard's share. The data-parallel 
 the data × cp ranks (FSDP shards and reduces over both, as torchtitan does) divides by ``n``
 again: the sum of the shards' contributions, one process's gradient.
 
+Ring mode (``parallel.cp_mode: ring``). A kernel over the whole sequence that says which
+tokens see each other (:class:`~impasto.models.ring_attention.BlockDiagonal`: full attention,
+a pack's document mask) runs as ring attention instead (:mod:`impasto.models.ring_attention`):
+the queries stay on their rank, the key and value shards pass around the group, so no rank
+holds the whole sequence's keys and values at once. Every other kernel (an
+ST-DiT's spatial and temporal groups, a pack's cross-attention) keeps the all-to-all: local
+groups of a few frames or patches do not pay for ``cp`` hops (the seed's hybrid).
+
 This module never imports ``torch.distributed``: the exchanges are a :class:`Collectives`
 (:mod:`impasto.train.context_parallel` makes one of a process group; the tests simulate one
 with threads), so a model that holds a :class:`SequenceParallel` runs without it.
@@ -36,6 +44,8 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from impasto.models.ring_attention import BlockDiagonal, ring_self_attention
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 """``(q [B, H, Sq, Dh], k [B, H, Sk, Dh], v) -> [B, H, Sq, Dh]``: an attention kernel."""
@@ -55,14 +65,25 @@ class Collectives(Protocol):
         """Every rank's ``x``, stacked ``[size, ...]`` in rank order. Backward: the gradients
         summed over the ranks, each rank keeping its own slot (a reduce-scatter)."""
 
+    def ring_shift(self, x: Tensor) -> Callable[[], Tensor]:
+        """Start sending ``x`` to rank ``rank + 1`` and receiving rank ``rank - 1``'s (mod
+        ``size``, same shape); the returned function waits and gives what arrived. Not
+        differentiable (ring attention's backward runs its own ring)."""
+
+
+MODES = ("ulysses", "ring")
+"""``parallel.cp_mode``: how full self-attention crosses the group (module docstring)."""
+
 
 class SequenceParallel:
     """One rank's view of a sequence split over a group (see the module docstring): what a
     denoiser calls to shard its sequence, to run attention over the whole of it, and to gather
     its output."""
 
-    def __init__(self, collectives: Collectives) -> None:
+    def __init__(self, collectives: Collectives, mode: str = "ulysses") -> None:
+        assert mode in MODES, f"context-parallel mode {mode!r} is not one of {MODES}"
         self.collectives = collectives
+        self.mode = mode
 
     @property
     def size(self) -> int:
@@ -104,7 +125,10 @@ class SequenceParallel:
 
     def self_attention(self, attend: Attend) -> Attend:
         """``attend`` (a kernel over the whole sequence) run on this rank's shard: queries,
-        keys and values exchanged in one all-to-all, the output in another."""
+        keys and values exchanged in one all-to-all, the output in another; in ring mode, a
+        :class:`~impasto.models.ring_attention.BlockDiagonal` kernel as ring attention."""
+        if self.mode == "ring" and isinstance(attend, BlockDiagonal):
+            return ring_self_attention(attend, self.collectives)
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             whole = self.heads_to_sequence(torch.cat([q, k, v]))

@@ -10,12 +10,19 @@ it the group's exchanges as functional collectives (differentiable, and traced b
 Ulysses keeps every rank's attention over the whole sequence (for ``H / cp`` heads), so a
 pack's document mask and a spatiotemporal model's frame and patch groups stay valid; it
 needs the heads (each tensor-parallel rank's share of them) to divide by ``cp``, and moves
-each attention's queries, keys, values and output once through an all-to-all. Ring attention
-(sequences beyond one node's memory, P2P exchange of key/value blocks) is not offered yet.
+each attention's queries, keys, values and output once through an all-to-all.
+``parallel.cp_mode: ring`` runs full self-attention as ring attention instead
+(:mod:`impasto.models.ring_attention`): key/value shards passed to the next rank of the group
+by point-to-point sends (``batch_isend_irecv``: NCCL on the GPU, gloo on the CPU), for
+sequences whose keys and values one rank cannot hold whole.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,6 +50,24 @@ class MeshCollectives:
     def all_gather(self, x: Tensor) -> Tensor:
         return _all_gather(x.unsqueeze(0).contiguous(), 0, self.group)
 
+    def ring_shift(self, x: Tensor) -> Callable[[], Tensor]:
+        x = x.contiguous()
+        received = torch.empty_like(x)
+        following, previous = (
+            dist.get_global_rank(self.group, (self.rank + step) % self.size) for step in (1, -1)
+        )
+        requests = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, x, following, self.group),
+            dist.P2POp(dist.irecv, received, previous, self.group),
+        ])  # fmt: skip
+
+        def wait() -> Tensor:
+            for request in requests:
+                request.wait()
+            return received
+
+        return wait
+
 
 def check_context_plan(
     plan: ContextParallelPlan | None, family: str, cp: int, tp: int = 1
@@ -65,13 +90,16 @@ def check_context_plan(
     return plan
 
 
-def apply_context_parallel(backbone: Backbone, mesh: DeviceMesh, tp: int = 1) -> None:
+def apply_context_parallel(
+    backbone: Backbone, mesh: DeviceMesh, tp: int = 1, mode: str = "ulysses"
+) -> None:
     """Split the backbone's denoiser's sequence over ``mesh`` (the run's ``cp`` dimension) in
-    place; after tensor parallelism (``tp``: its group size), before checkpointing, compile
-    and FSDP (torchtitan's order)."""
+    place, full self-attention by ``mode`` (``parallel.cp_mode``: ulysses or ring); after
+    tensor parallelism (``tp``: its group size), before checkpointing, compile and FSDP
+    (torchtitan's order)."""
     cp = mesh.size()
     plan = check_context_plan(backbone.context_parallel_plan(), backbone.family, cp, tp)
     denoiser = backbone.denoiser()
-    setattr(denoiser, plan.hook, SequenceParallel(MeshCollectives(mesh)))
+    setattr(denoiser, plan.hook, SequenceParallel(MeshCollectives(mesh), mode))
     if plan.token_multiple:  # tensor parallelism's multiple (tp), times cp
         setattr(denoiser, plan.token_multiple, getattr(denoiser, plan.token_multiple) * cp)

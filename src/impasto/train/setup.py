@@ -169,7 +169,7 @@ def build_step_setup(
     if group.cp > 1:
         from impasto.train.context_parallel import apply_context_parallel
 
-        apply_context_parallel(backbone, group.cp_mesh, group.tp)
+        apply_context_parallel(backbone, group.cp_mesh, group.tp, config.parallel.cp_mode)
     apply_memory_options(backbone, config.memory)
     roots = apply_strategy(backbone, trainable, config.parallel, group, precision)
     offload = None

@@ -29,6 +29,10 @@ whose groups are not contiguous in the pack (temporal: a patch position's tokens
 
 Padding tokens form a group of their own in self-attention and see all text tokens in
 cross-attention (so no row is empty); their outputs are discarded.
+
+Full self-attention (dense, or a pack's document mask) is a
+:class:`~impasto.models.ring_attention.BlockDiagonal`: called, it is the kernel; it also tells
+ring-mode context parallelism (``parallel.cp_mode: ring``) the groups to mask its blocks with.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from impasto.models.dit.layout import Pack, Partition, partition
+from impasto.models.ring_attention import BlockDiagonal
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 """``(q [B, H, Sq, Dh], k [B, H, Sk, Dh], v) -> [B, H, Sq, Dh]``."""
@@ -73,7 +78,7 @@ def dense_attends(frames: int, cells: int) -> dict[str, Attend]:
         out = F.scaled_dot_product_attention(split(q), split(k), split(v))
         return out.unflatten(0, (-1, cells)).permute(0, 2, 3, 1, 4).flatten(2, 3)
 
-    return {"full": dense, "spatial": spatial, "temporal": temporal}
+    return {"full": BlockDiagonal(dense), "spatial": spatial, "temporal": temporal}
 
 
 class PackAttention:
@@ -100,6 +105,10 @@ class PackAttention:
             for layout, groups in self.partitions.items()
         }
         self._cross = cross_kernel(self)
+        if "full" in self.attends:  # the document mask, for ring attention over shards
+            full = self.partitions["full"]
+            runs = (*full.lengths, pack.capacity - pack.num_tokens)  # the padding last
+            self.attends["full"] = BlockDiagonal(self.attends["full"], full.ids, runs)
 
     def self_attention(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         """Full self-attention: each sample to itself."""
