@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -72,9 +72,62 @@ class ParallelConfig(Section):
         "document mask is kept in both; spatial, temporal and cross-attention use the "
         "all-to-all in both (docs/distributed.md)",
     )
+    pp: Int = Field(
+        1,
+        ge=1,
+        le=MAX_RANKS,
+        description="pipeline parallelism: stages that split the denoiser's blocks between them "
+        "(each stage world / pp ranks), for models too large for tensor parallelism alone; the "
+        "step's train.grad_accum_steps micro-batches flow through them (at least pp of them). "
+        "Needs parallel.strategy fsdp or hsdp (each stage sharded over its data-parallel "
+        "ranks), objective.method denoise and a family that splits (the diffusion "
+        "transformer): docs/distributed.md",
+    )
+    pp_schedule: Literal["1f1b", "gpipe"] = Field(
+        "1f1b",
+        description="parallel.pp: the order of the micro-batches' forwards and backwards; "
+        "1f1b: one forward, one backward in the steady state (activations of at most pp "
+        "micro-batches held); gpipe: all forwards, then all backwards",
+    )
     timeout_s: Int = Field(
         1800,
         ge=10,
         le=MAX_TIMEOUT_S,
         description="how long a rank waits for the others in one collective",
     )
+
+
+def check_pipeline(config: Any) -> None:
+    """One-line errors for what ``parallel.pp`` > 1 does not compose with (``config``: the
+    whole :class:`~impasto.config.schema.Config`)."""
+    parallel = config.parallel
+    pp = parallel.pp
+    if pp == 1:
+        return
+    if parallel.strategy not in ("fsdp", "hsdp"):
+        raise ValueError(
+            f"parallel.pp {pp} splits the blocks inside a data-parallel run sharded by fsdp or "
+            f"hsdp (per stage), not {parallel.strategy}; set parallel.strategy: fsdp"
+        )
+    refusals = {
+        "parallel.tp": (parallel.tp > 1, "set parallel.tp: 1 (tensor parallelism inside "
+                        "pipeline stages is not offered yet)"),
+        "parallel.cp": (parallel.cp > 1, "set parallel.cp: 1 (a stage runs whole sequences)"),
+        "objective.method": (config.objective.method != "denoise", "pipelines run the denoise "
+                             "method (one denoiser call per micro-batch); set parallel.pp: 1"),
+        "sample.every_steps": (config.sample.every_steps > 0, "sampling runs the whole "
+                               "denoiser on one rank; set it to 0 and sample the checkpoint"),
+        "eval.every_steps": (config.eval.every_steps > 0, "the validation loss runs the whole "
+                             "denoiser on one rank; set it to 0"),
+        "memory.offload_blocks": (config.memory.offload_blocks, "set it to false (each stage "
+                                  "holds a pp-th of the blocks already)"),
+    }  # fmt: skip
+    for name, (refused, fix) in refusals.items():
+        if refused:
+            raise ValueError(f"parallel.pp {pp} does not compose with {name}; {fix}")
+    accum = config.train.grad_accum_steps
+    if accum < pp:
+        raise ValueError(
+            f"parallel.pp {pp}: the step's train.grad_accum_steps {accum} micro-batches are too "
+            f"few to fill {pp} stages; set train.grad_accum_steps to at least {pp}"
+        )

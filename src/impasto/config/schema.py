@@ -29,7 +29,7 @@ from impasto.config.monitoring import (  # noqa: F401  (ProfileConfig, WandbConf
     WandbConfig,
 )
 from impasto.config.objective import ObjectiveConfig
-from impasto.config.parallel import ParallelConfig
+from impasto.config.parallel import ParallelConfig, check_pipeline
 from impasto.config.section import (
     MAX_SAMPLER_STEPS,
     MAX_STEPS,
@@ -410,6 +410,7 @@ class Config(Section):
     def _parallel_options_fit(self) -> None:
         strategy, memory = self.parallel.strategy, self.memory
         tp, cp = self.parallel.tp, self.parallel.cp
+        check_pipeline(self)
         if tp > 1 and strategy not in ("fsdp", "hsdp"):
             raise ValueError(
                 f"parallel.tp {tp} splits the blocks inside a data-parallel run sharded by fsdp "

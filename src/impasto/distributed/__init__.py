@@ -70,7 +70,9 @@ class RunGroup:
     ``tp`` consecutive ranks; with context parallelism (``cp`` > 1) the dimension before it,
     ``cp``, groups ``cp`` of those. The ``tp × cp`` consecutive ranks of a model group share
     one share of the data: the *data* rank and world (``data_rank``, ``data_world``) count
-    those groups."""
+    those groups. With pipeline parallelism (``pp`` > 1) the mesh's first dimension, ``pp``,
+    holds the stages (torchtitan's order: each stage is ``world / pp`` consecutive ranks); the
+    ranks at one place of every stage read the same data."""
 
     rank: int = 0
     world: int = 1
@@ -79,6 +81,7 @@ class RunGroup:
     mesh: DeviceMesh | None = None
     tp: int = 1
     cp: int = 1
+    pp: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -86,13 +89,19 @@ class RunGroup:
 
     @property
     def model_ranks(self) -> int:
-        """Consecutive ranks that train on the same data (``tp × cp``)."""
-        return self.tp * self.cp
+        """Ranks that train on the same data (``pp × tp × cp``; the ``tp × cp`` of a stage
+        consecutive)."""
+        return self.pp * self.tp * self.cp
+
+    @property
+    def stage_world(self) -> int:
+        """Ranks of one pipeline stage (all of them without pipeline parallelism)."""
+        return self.world // self.pp
 
     @property
     def data_rank(self) -> int:
         """Which share of every step's batch this rank trains on."""
-        return self.rank // self.model_ranks
+        return self.rank % self.stage_world // (self.tp * self.cp)
 
     @property
     def data_world(self) -> int:
@@ -109,13 +118,18 @@ class RunGroup:
             return self.mesh
         if self.cp > 1:
             return data_cp_mesh(self.mesh)
-        names = [name for name in self.mesh.mesh_dim_names if name != "tp"]
+        names = [name for name in self.mesh.mesh_dim_names if name not in ("tp", "pp")]
         return self.mesh[tuple(names)] if len(names) > 1 else self.mesh[names[0]]
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         """The tensor-parallel dimension of the mesh (None without tensor parallelism)."""
         return self.mesh["tp"] if self.mesh is not None and self.tp > 1 else None
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        """The pipeline-parallel dimension of the mesh (None without pipeline parallelism)."""
+        return self.mesh["pp"] if self.mesh is not None and self.pp > 1 else None
 
     @property
     def cp_mesh(self) -> DeviceMesh | None:
@@ -129,7 +143,7 @@ class RunGroup:
 
     def data_gather(self, value: Any) -> list[Any]:
         """Every data share's ``value`` (picklable), in order, on every rank."""
-        return self.gather(value)[:: self.model_ranks]
+        return self.gather(value)[: self.stage_world : self.tp * self.cp]
 
     @property
     def parallel(self) -> bool:
@@ -212,6 +226,7 @@ class MeshOptions(Protocol):
     shard_size: int | None
     tp: int
     cp: int
+    pp: int
 
 
 @contextmanager
@@ -223,7 +238,7 @@ def run_group(parallel: MeshOptions, device_option: str) -> Iterator[RunGroup]:
     others start a group even for one process (so ``fsdp`` runs, and resumes, on 1 GPU): NCCL
     for CUDA tensors with gloo beside it for host flags, gloo alone on a CPU run. Ranks other
     than 0 print nothing (their stdout goes nowhere; errors still reach stderr)."""
-    strategy, tp, cp = parallel.strategy, parallel.tp, parallel.cp
+    strategy, tp, cp, pp = parallel.strategy, parallel.tp, parallel.cp, parallel.pp
     rank, world = rank_and_world()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if strategy == "none":
@@ -249,13 +264,13 @@ def run_group(parallel: MeshOptions, device_option: str) -> Iterator[RunGroup]:
             )
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        mesh = device_mesh(strategy, device, world, parallel.shard_size, tp, cp)
+        mesh = device_mesh(strategy, device, world, parallel.shard_size, tp, cp, pp)
         with contextlib.ExitStack() as stack:
             if rank:
                 stack.enter_context(contextlib.redirect_stdout(stack.enter_context(
                     open(os.devnull, "w", encoding="utf-8")
                 )))  # fmt: skip
-            yield RunGroup(rank, world, device, strategy, mesh, tp, cp)
+            yield RunGroup(rank, world, device, strategy, mesh, tp, cp, pp)
     finally:
         if owned:
             dist.destroy_process_group()
@@ -287,11 +302,19 @@ def _device_id(device: torch.device) -> torch.device | None:
 
 
 def device_mesh(strategy: str, device: torch.device, world: int, shard_size: int | None,
-                tp: int = 1, cp: int = 1) -> DeviceMesh | None:  # fmt: skip
+                tp: int = 1, cp: int = 1, pp: int = 1) -> DeviceMesh | None:  # fmt: skip
     """``fsdp``: all ranks in one shard group; ``hsdp``: (replicas, shard_size), shard groups of
     consecutive ranks (one node each by default). ``ddp`` needs no mesh. ``tp`` > 1 adds a last
     dimension ``tp`` of consecutive ranks (within a node: its collectives run every layer);
-    ``cp`` > 1 a dimension ``cp`` before it (an all-to-all per attention: within a node too)."""
+    ``cp`` > 1 a dimension ``cp`` before it (an all-to-all per attention: within a node too);
+    ``pp`` > 1 a first dimension ``pp`` (point-to-point sends of activations: across nodes)."""
+    if world % pp:
+        raise ValueError(
+            f"parallel.pp: {pp} does not divide the {world} ranks; set it to a divisor of the "
+            "world size"
+        )
+    stages = ((pp,), ("pp",)) if pp > 1 else ((), ())
+    world //= pp  # the ranks of one stage
     split = tp * cp
     what = "parallel.tp" if cp == 1 else "parallel.cp" if tp == 1 else "parallel.tp x parallel.cp"
     if world % split:
@@ -303,11 +326,12 @@ def device_mesh(strategy: str, device: torch.device, world: int, shard_size: int
     sizes, names = tuple(size for size, _ in inner), tuple(name for _, name in inner)
     if strategy == "fsdp":
         return init_device_mesh(
-            device.type, (world // split, *sizes), mesh_dim_names=("shard", *names)
-        )
+            device.type, (*stages[0], world // split, *sizes),
+            mesh_dim_names=(*stages[1], "shard", *names),
+        )  # fmt: skip
     if strategy != "hsdp":
         return None
-    size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    size = shard_size or min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if world % size or size % split:
         raise ValueError(
             f"parallel.shard_size: {size} does not divide the {world} ranks or is not a "
@@ -315,6 +339,6 @@ def device_mesh(strategy: str, device: torch.device, world: int, shard_size: int
             "of the world size)"
         )
     return init_device_mesh(
-        device.type, (world // size, size // split, *sizes),
-        mesh_dim_names=("replicate", "shard", *names),
+        device.type, (*stages[0], world // size, size // split, *sizes),
+        mesh_dim_names=(*stages[1], "replicate", "shard", *names),
     )  # fmt: skip

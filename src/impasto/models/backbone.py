@@ -153,6 +153,11 @@ class Backbone(Protocol):
         """How the denoiser splits each sample's sequence over a context-parallel group
         (``parallel.cp``), or None where the family cannot."""
 
+    def pipeline_stage(self, stage: int, num_stages: int) -> PipelineStagePlan | None:
+        """The backbone of pipeline stage ``stage`` of ``num_stages`` (``parallel.pp``): its
+        denoiser holds that stage's share of the blocks (this backbone's is taken apart), or
+        None where the family cannot split."""
+
     def cache_identity(self, kind: str) -> tuple[object, ...]:
         """What cached encodings of ``kind`` (``latents`` or ``text``) depend on: networks
         (hashed by weights), tokenizers (by vocabulary) and plain values (by ``repr``)."""
@@ -229,14 +234,34 @@ class ClipBenchModel:
 
 
 @dataclass(frozen=True)
+class PipelineStagePlan:
+    """One stage of a pipeline-parallel denoiser (applied by
+    :mod:`impasto.train.pipeline_parallel`, which holds the ``torch.distributed`` side).
+
+    ``backbone``'s denoiser is the stage: its parameters keep the whole denoiser's names, and it
+    has ``prepare(*args, **kwargs)``, which turns the arguments of a whole-denoiser call into a
+    micro-batch's *call* (with ``tokens``, the first stage's input, ``dtype``, the hidden states'
+    dtype, and ``finish(output)``, the last stage's output as the denoiser's prediction);
+    ``stage(x, call)`` runs the stage; ``io_meta(call)`` gives its input and output as meta
+    tensors (shapes and dtypes). Every stage computes what the call needs besides ``x`` itself,
+    so only the hidden states travel between stages; ``shared`` are the name prefixes of the
+    parameters every stage holds a copy of (their gradients are summed over the stages)."""
+
+    backbone: Any  # a Backbone
+    shared: tuple[str, ...] = ()
+    is_first: bool = True
+    is_last: bool = True
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """What the config of a family may name, known without building a model: its parts (in
     the backbone's order), its presets, and the pydantic section of its options
     (``model.<family>``; None: it takes none), whether it reads ``model.text_encoder``, and
     the export formats it writes itself (``impasto export --format``: a writer of the rebuilt
-    backbone, :mod:`impasto.export.family`), whether it splits for ``parallel.tp`` and
-    ``parallel.cp``, whether it trains on clips (``data.video``), and its video models of
-    ``impasto bench`` (``--model FAMILY-NAME``)."""
+    backbone, :mod:`impasto.export.family`), whether it splits for ``parallel.tp``,
+    ``parallel.cp`` and ``parallel.pp``, whether it trains on clips (``data.video``),
+    and its video models of ``impasto bench`` (``--model FAMILY-NAME``)."""
 
     parts: tuple[str, ...]
     presets: tuple[str, ...]
@@ -245,6 +270,7 @@ class FamilySpec:
     exports: Mapping[str, FolderWriter] = field(default_factory=dict)  # format → its writer
     tensor_parallel: bool = False  # parallel.tp: its backbone has a TensorParallelPlan
     context_parallel: bool = False  # parallel.cp: its backbone has a ContextParallelPlan
+    pipeline_parallel: bool = False  # parallel.pp: its backbone splits into pipeline stages
     video: bool = False  # data.video: its denoiser takes clips (a frame axis)
     clip_bench: Mapping[str, ClipBenchModel] = field(default_factory=dict)  # bench --model
 

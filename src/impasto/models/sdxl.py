@@ -214,6 +214,10 @@ class SDXLBackbone:
         """None: a UNet's convolutions read neighbouring pixels, not a sequence to split."""
         return None
 
+    def pipeline_stage(self, stage: int, num_stages: int) -> None:
+        """None: the UNet's skip connections cross every level (no sequence of blocks)."""
+        return None
+
     def cache_identity(self, kind: str) -> tuple[object, ...]:
         parts = self.components
         if kind == "latents":

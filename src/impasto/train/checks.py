@@ -231,6 +231,11 @@ def model_problems(config: Config) -> list[str]:
             "context-parallel plan (its denoiser is not a transformer over a token sequence); "
             "set parallel.cp: 1"
         )
+    if config.parallel.pp > 1 and not spec.pipeline_parallel:
+        problems.append(
+            f"parallel.pp {config.parallel.pp}: the {model.family} family cannot split its "
+            "denoiser into pipeline stages; set parallel.pp: 1 (fsdp shards its weights)"
+        )
     if config.data.video is not None and not spec.video:
         clips = " or ".join(name for name, other in FAMILIES.items() if other.video)
         problems.append(

@@ -3,8 +3,10 @@ it, so the benchmark times exactly the step that trains."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -41,6 +43,9 @@ from impasto.train.parallel import (
     total_norm,
 )
 
+if TYPE_CHECKING:
+    from impasto.train.pipeline_parallel import PipelineRunner
+
 
 @dataclass
 class StepSetup:
@@ -56,6 +61,7 @@ class StepSetup:
     autocast: object  # a context factory: autocast and the attention kernel
     offload: BlockOffload | None = None
     parallel_roots: list[torch.nn.Module] = field(default_factory=list)  # ddp/fsdp-wrapped
+    pipeline: PipelineRunner | None = None  # parallel.pp: runs a step's micro-batches at once
 
     def micro_step(
         self,
@@ -85,16 +91,19 @@ class StepSetup:
         if self.fused is not None:
             grad_norm, nonfinite = self.fused.finish_step()
             return grad_norm, nonfinite == 0
-        return clip_and_step(self.optimizer, self.params, max_grad_norm)
+        norm_of = self.pipeline.grad_norm if self.pipeline is not None else total_norm
+        return clip_and_step(self.optimizer, self.params, max_grad_norm, norm_of)
 
 
 def clip_and_step(
-    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float | None
-) -> tuple[Tensor, Tensor]:
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+    max_grad_norm: float | None, norm_of: Callable[[list[Tensor]], Tensor] = total_norm,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``clip_grad_norm_`` then ``step`` and ``zero_grad``, unless the gradient norm is not
-    finite: then the weights do not see the gradients (see :meth:`StepSetup.update`)."""
+    finite: then the weights do not see the gradients (see :meth:`StepSetup.update`).
+    ``norm_of``: the gradients' norm over every rank (a pipeline's counts every stage)."""
     grads = [param.grad for param in params if param.grad is not None]
-    norm = total_norm(grads)  # sharded grads: over all ranks
+    norm = norm_of(grads)  # sharded grads: over all ranks
     finite = torch.isfinite(norm)
     if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: skips in the kernel
         if max_grad_norm is not None:
@@ -147,6 +156,12 @@ def build_step_setup(
     if config.lora.init_from:
         count = init_adapters_from_kohya(trainable, config.lora)
         print(f"impasto: started {count} LoRA layers from {config.lora.init_from}")
+    pipeline = None
+    if group.pp > 1:  # this rank's stage (adapters drawn alike on every rank: before it)
+        from impasto.train.pipeline_parallel import PipelineRunner, split_pipeline
+
+        pipeline = split_pipeline(backbone, trainable, group)
+        backbone, trainable = pipeline.backbone, pipeline.trainable
     set_train_mode(trainable, backbone)
     memory = config.memory
     set_weight_dtypes(backbone, config.train.mixed_precision, memory.vae_dtype, memory.frozen_dtype)
@@ -156,10 +171,10 @@ def build_step_setup(
     )
     # The method is built before the memory options and the strategy wrap the networks: a
     # method that keeps a frozen copy of the starting model (draftp) copies plain modules.
+    # Under parallel.pp the method calls the denoiser through the pipeline's endpoint.
+    called = pipeline.method_backbone if pipeline is not None else backbone
     method = build_method(
-        MethodContext(
-            config, backbone, tuple(trainable), autocast, group.data_rank, group.data_world
-        )
+        MethodContext(config, called, tuple(trainable), autocast, group.data_rank, group.data_world)
     )
     # torchtitan's order: tensor, then context parallelism, checkpointing, compile, fsdp
     if group.tp > 1:
@@ -177,6 +192,10 @@ def build_step_setup(
         offload = BlockOffload(
             backbone.denoiser(), backbone.blocks(), device, resident=config.memory.resident_blocks
         )
+    runner = None
+    if pipeline is not None:
+        accum, schedule = config.train.grad_accum_steps, config.parallel.pp_schedule
+        runner = PipelineRunner(pipeline, method, group, autocast, schedule, accum)
     groups = param_groups(trainable)
     build = partial(OPTIMIZERS[config.optim.name], config=config.optim)
     fused = FusedBackwardOptimizer(groups, build) if config.memory.fused_backward else None
@@ -191,6 +210,7 @@ def build_step_setup(
         autocast=autocast,
         offload=offload,
         parallel_roots=roots,
+        pipeline=runner,
     )
 
 

@@ -446,9 +446,9 @@ class Trainer:
         # Summed on the device: .item() happens only on logging steps (no per-step host sync).
         total_loss = torch.zeros((), device=self.setup.backbone.device)
         metrics: dict[str, torch.Tensor] = {}
-        num_samples = 0
         self.step_flops = 0
         step_seed = derive_seed(config.train.seed, 0, state.step, 0)  # the method's draws
+        outputs, pipelined, num_samples = [], [], 0  # (pipelined: parallel.pp runs them at once)
         for micro in range(accum):
             with self.meter.waiting():
                 batch = next(self.data.stream)
@@ -468,18 +468,24 @@ class Trainer:
                 continue
             slot = micro * group.data_world + group.data_rank
             rows = Rows(slot, accum * group.data_world, config.data.batch_size)
-            torch.manual_seed(derive_seed(config.train.seed, state.step, slot, 1))
+            torch.manual_seed(seed := derive_seed(config.train.seed, state.step, slot, 1))
             generator = torch.Generator().manual_seed(step_seed)
+            num_samples += len(batch.captions)
+            if self.setup.pipeline is not None:
+                pipelined.append((batch, generator, rows, seed))
+                continue
             key = batch_shapes(batch)
             with self.flop_meter.measure(key) if self.flop_meter else contextlib.nullcontext():
                 out = self.setup.micro_step(batch, generator, 1 / accum, rows, micro == accum - 1)
             if self.flop_meter is not None:
                 self.step_flops += self.flop_meter.flops(key) or 0
+            outputs.append(out)
+        outputs = self.setup.pipeline.run(pipelined) if pipelined else outputs
+        for out in outputs:
             total_loss += out.loss
             for name, value in out.metrics.items():  # means: averaged; (sum, count): summed
                 value = value.detach() if value.ndim else value.detach() / accum
                 metrics[name] = metrics.get(name, 0) + value
-            num_samples += len(batch.captions)
         return total_loss / accum, metrics, num_samples
 
     def check_bad_fraction(self) -> None:

@@ -23,6 +23,7 @@ from impasto.models import autoencoder
 from impasto.models.backbone import (
     Batch,
     ContextParallelPlan,
+    PipelineStagePlan,
     TensorParallelPlan,
     adapter_layers,
 )
@@ -117,11 +118,11 @@ class DiTBackbone:
 
     @property
     def device(self) -> torch.device:
-        return self.components.transformer.patch_embed.weight.device
+        return self.components.transformer.time_embed.linear_1.weight.device  # on every stage
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.components.transformer.patch_embed.weight.dtype
+        return self.components.transformer.time_embed.linear_1.weight.dtype
 
     def to(self, device: torch.device | str) -> DiTBackbone:
         for module in self.modules().values():
@@ -129,7 +130,8 @@ class DiTBackbone:
         return self
 
     def blocks(self) -> dict[str, nn.Module]:
-        return {f"blocks.{i}": block for i, block in enumerate(self.components.transformer.blocks)}
+        blocks = self.components.transformer.blocks  # a list, or a pipeline stage's dict
+        return {f"blocks.{name}": block for name, block in blocks.named_children()}
 
     def unused_parameters(self, part: str) -> tuple[str, ...]:
         if part == "transformer" or self.components.single_text_encoder:
@@ -174,9 +176,7 @@ class DiTBackbone:
     def latent_format(self) -> tuple[int, int]:
         return autoencoder.latent_format(self.components.vae)
 
-    def latent_shape(
-        self, height: int, width: int, frames: int | None = None
-    ) -> tuple[int, ...]:
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """``(C, h, w)`` of an image; with ``frames``, ``(C, t, h, w)`` of a clip of that many
         frames (``t``: its latent frames; a one-line error where the frame count does not
         fit the autoencoder's rule or the DiT's ``frame_patch``)."""
@@ -283,7 +283,7 @@ class DiTBackbone:
         config = transformer.config
         attentions = ("attn", "attn_temporal", "cross")
         return TensorParallelPlan(
-            blocks=tuple(transformer.blocks),
+            blocks=tuple(transformer.blocks.children()),
             gathers=(*attentions, "mlp"),
             colwise=(*(f"{attn}.{name}" for attn in attentions
                        for name in ("to_q", "to_k", "to_v")), "mlp.fc1", "mlp.gate", "mlp.up"),
@@ -297,7 +297,7 @@ class DiTBackbone:
             token_multiple="token_multiple",
             divisible={
                 "attention heads": config.hidden_size // config.head_dim,
-                "MLP features": transformer.blocks[0].mlp_width,
+                "MLP features": next(transformer.blocks.children()).mlp_width,
             },
         )  # fmt: skip
 
@@ -310,6 +310,16 @@ class DiTBackbone:
             hook="sequence_parallel",
             token_multiple="token_multiple",
             divisible={"attention heads": config.hidden_size // config.head_dim},
+        )
+
+    def pipeline_stage(self, stage: int, num_stages: int) -> PipelineStagePlan:
+        """This DiT's blocks ``stage_blocks(…)`` with the embedders every stage needs
+        (:mod:`.pipeline`; docs/dit.md, parallelism); the other blocks are dropped."""
+        from impasto.models.dit.pipeline import SHARED, DiTStage
+
+        stage_module = DiTStage(self.components.transformer, stage, num_stages)
+        return PipelineStagePlan(
+            self.with_denoiser(stage_module), SHARED, stage_module.is_first, stage_module.is_last
         )
 
     def cache_identity(self, kind: str) -> tuple[object, ...]:

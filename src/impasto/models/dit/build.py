@@ -44,6 +44,7 @@ SPEC = FamilySpec(
     exports={"folder": save_dit_folder},
     tensor_parallel=True,
     context_parallel=True,
+    pipeline_parallel=True,
     video=True,
     clip_bench=CLIP_BENCH,
 )

@@ -36,7 +36,7 @@ Parameter names are the safetensors layout (docs/dit.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -222,117 +222,91 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm(x), shift, scale))
 
 
-class DiT(nn.Module):
-    """The diffusion transformer of :class:`DiTConfig`."""
+@dataclass(frozen=True)
+class TrunkCall:
+    """One call of the network, prepared from its inputs (:meth:`TokenCalls.prepare`): what
+    the blocks read, and how the final layer's output becomes the prediction. A pipeline stage
+    (:mod:`.pipeline`) runs a part of the blocks on it; every stage prepares it alike."""
 
-    def __init__(self, config: DiTConfig) -> None:
-        super().__init__()
-        self.config = config
-        dim = config.hidden_size
-        self.patch_embed = nn.Linear(config.patch_values, dim)
-        self.time_embed = MLPEmbedder(FREQUENCY_DIM, dim, nn.SiLU())
-        self.pooled_embed = MLPEmbedder(config.pooled_dim, dim, nn.SiLU())
-        if config.has_text_tokens:
-            self.text_embed = MLPEmbedder(config.text_dim, dim, nn.GELU(approximate="tanh"))
-        if config.position == "learned":
-            self.pos_embed = nn.Parameter(torch.zeros(config.max_grid, config.max_grid, dim))
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.final = FinalLayer(config)
-        # Sequences are a multiple of this many tokens (tensor and context parallelism split
-        # them over their groups): a batch whose images are not runs as a pack of that length.
-        self.token_multiple = 1
-        # Context parallelism (parallel.cp, set by the trainer): each rank of the group runs
-        # the blocks on its shard of the sequence (impasto.models.sequence_parallel).
-        self.sequence_parallel: SequenceParallel | None = None
-        self.reset_parameters()
+    tokens: Tensor  # [B, S, C·pt·p·p] patches (a pack: B = 1, S its capacity)
+    positions: Tensor  # [1, S, 3] (frame, row, column) of each token
+    timesteps: Tensor  # [N]: one per sample
+    text: Tensor | None  # [N or 1, L or N·L, text_dim] tokens read (a pack's flattened)
+    pooled: Tensor  # [N, pooled_dim]
+    attends: Mapping[str, Attend]  # each self-attention layout's kernel (BLOCK_ATTENTION)
+    attend_cross: Attend
+    document: Tensor | None  # [S] each token's sample (a pack), None for a dense batch
+    finish: Callable[[Tensor], Tensor | list[Tensor]]  # [B, S, C·pt·p·p] → the prediction
+    dtype: torch.dtype  # of the hidden states between the blocks
 
-    def reset_parameters(self) -> None:
-        """Xavier-uniform projections, N(0, 0.02) embedders and positions, zero modulations and
-        output (DiT's ``initialize_weights``); a llama block's cross output starts at zero."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        embedders = [self.time_embed, self.pooled_embed, getattr(self, "text_embed", None)]
-        for embedder in filter(None, embedders):
-            nn.init.normal_(embedder.linear_1.weight, std=0.02)
-            nn.init.normal_(embedder.linear_2.weight, std=0.02)
-        if self.config.position == "learned":
-            nn.init.normal_(self.pos_embed, std=0.02)
-        zeroed = [block.modulation for block in self.blocks]
-        zeroed += [self.final.modulation, self.final.linear]
-        if self.config.block == "llama":
-            zeroed += [block.cross.to_out for block in self.blocks]
-        for linear in zeroed:
-            nn.init.zeros_(linear.weight)
-            if linear.bias is not None:
-                nn.init.zeros_(linear.bias)
+
+def embed_tokens(
+    network: nn.Module, tokens: Tensor, positions: Tensor
+) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    """The patch embedding plus the position embedding (sincos, learned), or with RoPE's
+    (cos, sin) beside it."""
+    config = network.config
+    tokens = network.patch_embed(tokens)
+    if config.position == "rope":
+        return tokens, rope_rotation(positions, config.head_dim)
+    if config.position == "sincos":
+        return tokens + sincos_embedding(positions, config.hidden_size).to(tokens.dtype), None
+    rows, cols = positions[..., 1], positions[..., 2]
+    if int(rows.max()) >= config.max_grid or int(cols.max()) >= config.max_grid:
+        raise ValueError(
+            f"model.dit.max_grid: the learned position table covers {config.max_grid} "
+            "patches per side, this input has more; raise it or use position: rope"
+        )
+    return tokens + network.pos_embed[rows, cols].to(tokens.dtype), None
+
+
+def conditioning(
+    network: nn.Module, call: TrunkCall, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """(the modulation input ``[N (+1 for a pack's padding), D]`` from the time and pooled
+    text, the embedded text tokens or None)."""
+    condition = network.time_embed(timestep_features(call.timesteps).to(dtype))
+    condition = nn.functional.silu(condition + network.pooled_embed(call.pooled.to(dtype)))
+    if call.document is not None:  # a pack's padding tokens read a zero condition
+        condition = torch.cat([condition, condition.new_zeros(1, condition.shape[1])])
+    context = None
+    if network.config.has_text_tokens and call.text is not None:
+        context = network.text_embed(call.text.to(dtype))
+    return condition, context
+
+
+def named_blocks(blocks: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(index in the whole network, block) of a block list or a stage's dict of them."""
+    return [(int(name), block) for name, block in blocks.named_children()]
+
+
+def run_blocks(
+    config: DiTConfig, blocks: list[tuple[int, nn.Module]], x: Tensor, condition: Tensor,
+    rope: tuple[Tensor, Tensor] | None, context: Tensor | None, call: TrunkCall,
+) -> Tensor:  # fmt: skip
+    """``x`` ``[B, S, D]`` through ``blocks`` (each with its index's attention layout)."""
+    for index, block in blocks:
+        layout, temporal = config.block_attention(index)
+        inputs = (x, condition, rope, context, call.attends[layout], call.attend_cross)
+        options = {"document": call.document, "attend_temporal": call.attends.get(temporal)}
+        if block.gradient_checkpointing and torch.is_grad_enabled():
+            x = checkpoint(block, *inputs, **options, use_reentrant=False)
+        else:
+            x = block(*inputs, **options)
+    return x
+
+
+class TokenCalls:
+    """How the network's inputs become tokens and its output predictions: shared by
+    :class:`DiT` and a pipeline stage of it (both have ``config`` and ``token_multiple``)."""
+
+    config: DiTConfig
+    token_multiple: int
 
     def _read_text(self, text: Tensor | None) -> Tensor | None:
         """The text tokens the network reads: the first ``config.text_tokens`` (all if None)."""
         tokens = self.config.text_tokens
         return text if text is None or tokens is None else text[:, :tokens]
-
-    def enable_gradient_checkpointing(self) -> None:
-        """Recompute every block's activations in backward instead of keeping them (diffusers'
-        switch, which :mod:`impasto.train.memory` turns on and then off per block)."""
-        for block in self.blocks:
-            block.gradient_checkpointing = True
-
-    # -- the shared trunk -----------------------------------------------------------------
-    def _positions(
-        self, tokens: Tensor, positions: Tensor
-    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
-        """Add the position embedding (sincos, learned) or return RoPE's (cos, sin)."""
-        config = self.config
-        if config.position == "rope":
-            return tokens, rope_rotation(positions, config.head_dim)
-        if config.position == "sincos":
-            return tokens + sincos_embedding(positions, config.hidden_size).to(tokens.dtype), None
-        rows, cols = positions[..., 1], positions[..., 2]
-        if int(rows.max()) >= config.max_grid or int(cols.max()) >= config.max_grid:
-            raise ValueError(
-                f"model.dit.max_grid: the learned position table covers {config.max_grid} "
-                "patches per side, this input has more; raise it or use position: rope"
-            )
-        return tokens + self.pos_embed[rows, cols].to(tokens.dtype), None
-
-    def _trunk(
-        self, tokens: Tensor, positions: Tensor, timesteps: Tensor, text: Tensor | None,
-        pooled: Tensor, attends: Mapping[str, Attend], attend_cross: Attend,
-        document: Tensor | None,
-    ) -> Tensor:  # fmt: skip
-        """The blocks over ``tokens`` ``[B, S, C·pt·p·p]``; ``attends``: each self-attention
-        layout's kernel (:data:`BLOCK_ATTENTION`). Under context parallelism the blocks run on
-        this rank's shard of the tokens, their positions and sample ids, and the output is
-        gathered whole."""
-        parallel = self.sequence_parallel
-        if parallel is not None:
-            tokens, positions = parallel.split(tokens, 1), parallel.split(positions, 1)
-            attends = {layout: parallel.self_attention(a) for layout, a in attends.items()}
-            if document is not None:  # a pack: its cross-attention mask has a row per token
-                document = parallel.split(document, 0)  # (a dense batch's has no mask)
-                attend_cross = parallel.cross_attention(attend_cross)
-        x, rope = self._positions(self.patch_embed(tokens), positions)
-        dtype = x.dtype
-        condition = self.time_embed(timestep_features(timesteps).to(dtype))
-        condition = nn.functional.silu(condition + self.pooled_embed(pooled.to(dtype)))
-        if document is not None:  # a pack's padding tokens read a zero condition
-            condition = torch.cat([condition, condition.new_zeros(1, condition.shape[1])])
-        context = None
-        if self.config.has_text_tokens and text is not None:
-            context = self.text_embed(text.to(dtype))
-        for index, block in enumerate(self.blocks):
-            layout, temporal = self.config.block_attention(index)
-            inputs = (x, condition, rope, context, attends[layout], attend_cross)
-            options = {"document": document, "attend_temporal": attends.get(temporal)}
-            if block.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, *inputs, **options, use_reentrant=False)
-            else:
-                x = block(*inputs, **options)
-        out = self.final(x, condition, document)
-        return out if parallel is None else parallel.gather(out, 1)
 
     # -- tokens ---------------------------------------------------------------------------
     def token_grid(self, latents: Tensor) -> Grid:
@@ -379,20 +353,8 @@ class DiT(nn.Module):
         a pack (:meth:`forward_packed`, whose arguments ``capacity`` and ``kernel`` are):
         called through ``forward``, so that what wraps the module (FSDP, DDP, hooks) sees both
         kinds of call."""
-        if isinstance(x, list):
-            return self.forward_packed(x, timesteps, text, pooled, capacity, kernel)
-        grid = self.token_grid(x)
-        timesteps = timesteps.reshape(-1).expand(x.shape[0])  # one time for all, as a UNet takes
-        if grid.num_tokens % self.token_multiple:
-            return self.forward_packed([x], timesteps, text, pooled)[0]
-        text = self._read_text(text)
-        positions = grid_positions(grid.rows, grid.cols, grid.frames).to(x.device)[None]
-        attends = dense_attends(grid.frames, grid.cells)
-        tokens = patchify(x, self.config.patch_size, self.config.frame_patch)
-        out = self._trunk(
-            tokens, positions, timesteps, text, pooled, attends, attends["full"], None
-        )
-        return self._unpatchify(out, x, grid)
+        call = self.prepare(x, timesteps, text, pooled, capacity, kernel)
+        return call.finish(self._trunk(call))
 
     def forward_packed(
         self, groups: list[Tensor], timesteps: Tensor, text: Tensor | None, pooled: Tensor,
@@ -404,6 +366,33 @@ class DiT(nn.Module):
         ``[N, L, text_dim]`` and ``pooled`` ``[N, pooled_dim]`` for the N samples in group
         order. The pack holds ``capacity`` tokens (default: the next multiple of 128).
         Returns the predictions of each group, shaped as it."""
+        call = self._prepare_packed(groups, timesteps, text, pooled, capacity, kernel)
+        return call.finish(self._trunk(call))
+
+    def prepare(
+        self, x: Tensor | list[Tensor], timesteps: Tensor, text: Tensor | None, pooled: Tensor,
+        capacity: int | None = None, kernel: str = "auto",
+    ) -> TrunkCall:  # fmt: skip
+        """The :class:`TrunkCall` of :meth:`forward`'s arguments (no weights read)."""
+        if isinstance(x, list):
+            return self._prepare_packed(x, timesteps, text, pooled, capacity, kernel)
+        grid = self.token_grid(x)
+        timesteps = timesteps.reshape(-1).expand(x.shape[0])  # one time for all, as a UNet takes
+        if grid.num_tokens % self.token_multiple:
+            call = self._prepare_packed([x], timesteps, text, pooled)
+            return replace(call, finish=lambda out: call.finish(out)[0])
+        attends = dense_attends(grid.frames, grid.cells)
+        tokens = patchify(x, self.config.patch_size, self.config.frame_patch)
+        return TrunkCall(
+            tokens, grid_positions(grid.rows, grid.cols, grid.frames).to(x.device)[None],
+            timesteps, self._read_text(text), pooled, attends, attends["full"], None,
+            lambda out: self._unpatchify(out, x, grid), hidden_dtype(tokens),
+        )  # fmt: skip
+
+    def _prepare_packed(
+        self, groups: list[Tensor], timesteps: Tensor, text: Tensor | None, pooled: Tensor,
+        capacity: int | None = None, kernel: str = "auto",
+    ) -> TrunkCall:  # fmt: skip
         text = self._read_text(text)
         config, device = self.config, groups[0].device
         grids = [self.token_grid(group) for group in groups]
@@ -416,24 +405,110 @@ class DiT(nn.Module):
         )
         padding = tokens.new_zeros(pack.capacity - pack.num_tokens, tokens.shape[-1])
         tokens = torch.cat([tokens, padding])[None]
-        autocast = torch.amp.is_autocast_available(device.type)  # not on meta (FLOP counts)
-        dtype = (
-            torch.get_autocast_dtype(device.type)
-            if autocast and torch.is_autocast_enabled(device.type)
-            else tokens.dtype
-        )
+        dtype = hidden_dtype(tokens)
         kernel = pick_kernel(kernel, device, dtype)
         text_length = text.shape[1] if text is not None else 1
         attention = PackAttention(pack, text_length, kernel, config.layouts)
         context = None if text is None else text.flatten(0, 1)[None]
-        out = self._trunk(
-            tokens, pack.positions[None], timesteps, context, pooled,
-            attention.attends, attention.cross_attention, pack.document,
-        )[0]  # fmt: skip
-        predictions, start = [], 0
-        for group, grid in zip(groups, grids, strict=True):
-            length = group.shape[0] * grid.num_tokens
-            piece = out[start : start + length].reshape(group.shape[0], grid.num_tokens, -1)
-            predictions.append(self._unpatchify(piece, group, grid))
-            start += length
-        return predictions
+
+        def finish(out: Tensor) -> list[Tensor]:
+            predictions, start = [], 0
+            for group, grid in zip(groups, grids, strict=True):
+                length = group.shape[0] * grid.num_tokens
+                piece = out[0, start : start + length].reshape(group.shape[0], grid.num_tokens, -1)
+                predictions.append(self._unpatchify(piece, group, grid))
+                start += length
+            return predictions
+
+        return TrunkCall(
+            tokens, pack.positions[None], timesteps, context, pooled, attention.attends,
+            attention.cross_attention, pack.document, finish, dtype,
+        )  # fmt: skip
+
+
+def hidden_dtype(tokens: Tensor) -> torch.dtype:
+    """The dtype the blocks compute in: autocast's where it is on, else the tokens'."""
+    device = tokens.device.type
+    autocast = torch.amp.is_autocast_available(device)  # not on meta (FLOP counts)
+    if autocast and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return tokens.dtype
+
+
+class DiT(TokenCalls, nn.Module):
+    """The diffusion transformer of :class:`DiTConfig`."""
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.hidden_size
+        self.patch_embed = nn.Linear(config.patch_values, dim)
+        self.time_embed = MLPEmbedder(FREQUENCY_DIM, dim, nn.SiLU())
+        self.pooled_embed = MLPEmbedder(config.pooled_dim, dim, nn.SiLU())
+        if config.has_text_tokens:
+            self.text_embed = MLPEmbedder(config.text_dim, dim, nn.GELU(approximate="tanh"))
+        if config.position == "learned":
+            self.pos_embed = nn.Parameter(torch.zeros(config.max_grid, config.max_grid, dim))
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.final = FinalLayer(config)
+        # Sequences are a multiple of this many tokens (tensor and context parallelism split
+        # them over their groups): a batch whose images are not runs as a pack of that length.
+        self.token_multiple = 1
+        # Context parallelism (parallel.cp, set by the trainer): each rank of the group runs
+        # the blocks on its shard of the sequence (impasto.models.sequence_parallel).
+        self.sequence_parallel: SequenceParallel | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections, N(0, 0.02) embedders and positions, zero modulations and
+        output (DiT's ``initialize_weights``); a llama block's cross output starts at zero."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        embedders = [self.time_embed, self.pooled_embed, getattr(self, "text_embed", None)]
+        for embedder in filter(None, embedders):
+            nn.init.normal_(embedder.linear_1.weight, std=0.02)
+            nn.init.normal_(embedder.linear_2.weight, std=0.02)
+        if self.config.position == "learned":
+            nn.init.normal_(self.pos_embed, std=0.02)
+        zeroed = [block.modulation for block in self.blocks]
+        zeroed += [self.final.modulation, self.final.linear]
+        if self.config.block == "llama":
+            zeroed += [block.cross.to_out for block in self.blocks]
+        for linear in zeroed:
+            nn.init.zeros_(linear.weight)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute every block's activations in backward instead of keeping them (diffusers'
+        switch, which :mod:`impasto.train.memory` turns on and then off per block)."""
+        for block in self.blocks.children():
+            block.gradient_checkpointing = True
+
+    # -- the shared trunk -----------------------------------------------------------------
+    def _trunk(self, call: TrunkCall) -> Tensor:
+        """The blocks over the call's tokens ``[B, S, C·pt·p·p]`` (:class:`TrunkCall`). Under
+        context parallelism the blocks run on this rank's shard of the tokens, their positions
+        and sample ids, and the output is gathered whole."""
+        parallel = self.sequence_parallel
+        if parallel is not None:
+            call = replace(
+                call,
+                tokens=parallel.split(call.tokens, 1),
+                positions=parallel.split(call.positions, 1),
+                attends={layout: parallel.self_attention(a) for layout, a in call.attends.items()},
+            )
+            if call.document is not None:  # a pack: its cross-attention mask has a row per token
+                call = replace(  # (a dense batch's has no mask)
+                    call,
+                    document=parallel.split(call.document, 0),
+                    attend_cross=parallel.cross_attention(call.attend_cross),
+                )
+        x, rope = embed_tokens(self, call.tokens, call.positions)
+        condition, context = conditioning(self, call, x.dtype)
+        x = run_blocks(self.config, named_blocks(self.blocks), x, condition, rope, context, call)
+        out = self.final(x, condition, call.document)
+        return out if parallel is None else parallel.gather(out, 1)
