@@ -203,18 +203,18 @@ def test_the_probe_index_decodes_each_clip_once_until_it_changes(
 ):
     import shutil
 
-    import impasto.data.video.scan as scan_module
+    import impasto.data.video.share as share_module
 
     copy = tmp_path / "clips"
     shutil.copytree(clip_folder / "demo", copy)
     probed: list[str] = []
-    real = scan_module.probe_clip
+    real = share_module.probe_clip
 
     def counting(source, name=None, fps=None):
         probed.append(Path(str(source)).name)
         return real(source, name, fps)
 
-    monkeypatch.setattr(scan_module, "probe_clip", counting)
+    monkeypatch.setattr(share_module, "probe_clip", counting)
     index_dir = tmp_path / "index"
     first = scan(copy, index_dir)
     assert sorted(probed) == ["clip-00000", "clip-00001", "clip-00002", "clip-00003"]

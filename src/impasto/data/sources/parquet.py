@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,22 +53,35 @@ class ParquetRowBlob:
         return data
 
 
+def _fields(media: Sequence[str]) -> str:
+    """``media`` for messages: "'image'", or "'video' or 'image'"."""
+    return " or ".join(f"'{column}'" for column in media)
+
+
 def _parquet_record(
-    path: Path, row: dict[str, Any], number: int, blob: ParquetRowBlob
-) -> ImageRecord:
-    """The record of row ``number``; ``ValueError`` (the reason) when the row is unusable."""
-    image = row["image"]
-    if isinstance(image, dict):  # a Hugging Face Image struct {"bytes": ..., "path": ...}
-        image = image.get("bytes") or image.get("path")
+    path: Path, row: dict[str, Any], number: int, blob: ParquetRowBlob,
+    media: Sequence[str] = ("image",),
+) -> ImageRecord:  # fmt: skip
+    """The record of row ``number``: its first non-empty column of ``media`` (a path or
+    bytes; ``blob`` is pointed at that column); ``ValueError`` (the reason) when the row is
+    unusable."""
+    image, column = None, media[0]
+    for column in media:
+        image = row.get(column)
+        if isinstance(image, dict):  # a Hugging Face Image struct {"bytes": ..., "path": ...}
+            image = image.get("bytes") or image.get("path")
+        if image:
+            break
     if not image:
-        raise ValueError("no 'image' field")
+        raise ValueError(f"no {_fields(media)} field")
     caption = str(row.get("caption") or "").strip()
     weight = row_weight(row.get("weight"))
     if isinstance(image, bytes):
         name = f"{path.name}/row-{number}"
-        return ImageRecord(name, caption, weight, blob=blob, size=_image_size(image))
+        size = _image_size(image) if column == "image" else None  # a video's: probed later
+        return ImageRecord(name, caption, weight, blob=replace(blob, column=column), size=size)
     if not isinstance(image, str):
-        raise ValueError(f"'image' is {type(image).__name__}, not a path or bytes")
+        raise ValueError(f"'{column}' is {type(image).__name__}, not a path or bytes")
     image_path = Path(image) if Path(image).is_absolute() else path.parent / image
     return ImageRecord(image_path, caption, weight)
 
@@ -77,7 +91,7 @@ def parquet_records(path: Path) -> list[ImageRecord]:
     return parquet_scan(path).logged_records()
 
 
-def parquet_scan(path: Path) -> Scan:
+def parquet_scan(path: Path, media: Sequence[str] = ("image",)) -> Scan:
     """The rows of a Parquet manifest, in row order.
 
     Columns: ``image`` (a path relative to the file's folder or absolute, image bytes, or a
@@ -88,6 +102,10 @@ def parquet_scan(path: Path) -> Scan:
     A row without an image, or with a weight that is not a number > 0, is left out and named
     (``file.parquet row N``, rows count from 1) in ``skipped`` with the reason; so are the rows
     of a row group that does not decode.
+
+    ``media``: the columns a row's media is read from, the first non-empty one (a video run
+    reads ``("video", "image")``: a ``video`` is a video file, a frame folder or a video's
+    bytes, whose ``size`` is then None).
 
     Raises:
         ValueError: no file, no ``image`` column, or no usable rows.
@@ -102,9 +120,11 @@ def parquet_scan(path: Path) -> Scan:
         reason = f"is not a readable Parquet file ({error_reason(error)})"
         raise UnreadableSource(str(path), reason) from None
     names = parquet.schema_arrow.names
-    if "image" not in names:
-        raise ValueError(f"data: {path} has no 'image' column; its columns: {', '.join(names)}")
-    columns = [name for name in ("image", "caption", "weight") if name in names]
+    if not any(column in names for column in media):
+        raise ValueError(
+            f"data: {path} has no {_fields(media)} column; its columns: {', '.join(names)}"
+        )
+    columns = [name for name in (*media, "caption", "weight") if name in names]
     scan, number = Scan(), 0
     for group in range(parquet.num_row_groups):
         try:
@@ -119,7 +139,7 @@ def parquet_scan(path: Path) -> Scan:
             number += 1
             blob = ParquetRowBlob(str(path.resolve()), group, row_in_group)
             try:
-                scan.records.append(_parquet_record(path, row, number, blob))
+                scan.records.append(_parquet_record(path, row, number, blob, media))
             except ValueError as error:
                 scan.skip(f"{path} row {number}", str(error))
     if not scan.records:

@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 SHARD_IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp")
 """Member suffixes read as a sample's image, in order of preference (any letter case)."""
+SHARD_VIDEO_SUFFIXES = ("mp4", "webm", "mov", "m4v", "mkv", "gif")
+"""Member suffixes read as a sample's video in a video run (``data.video``), before the image
+suffixes (a sample with a video and a thumbnail trains on the video)."""
+SHARD_CLIP_SUFFIXES = SHARD_VIDEO_SUFFIXES + SHARD_IMAGE_SUFFIXES
+"""What a video run reads from a shard: a video, else an image (a one-frame sample)."""
 SHARD_CAPTION_SUFFIXES = ("txt", "caption", "json")
 """Member suffixes read as a sample's caption, in order of preference."""
 INDEX_VERSION = 2  # 2: samples left out are listed (``skipped``)
@@ -187,24 +192,35 @@ def _sample_caption(archive: tarfile.TarFile, members: dict[str, tarfile.TarInfo
         raise _BadSample(f"caption member {member.name} {error}") from None
 
 
-def _index_sample(archive: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> dict[str, Any]:
-    """One sample's index entry; :class:`_BadSample` when it has no image or its caption does
-    not decode."""
-    suffix = next((s for s in SHARD_IMAGE_SUFFIXES if s in members), None)
+def _index_sample(
+    archive: tarfile.TarFile, members: dict[str, tarfile.TarInfo], suffixes: Sequence[str]
+) -> dict[str, Any]:
+    """One sample's index entry: its first member of ``suffixes``, with the size from an
+    image's header (a video's: None, it is probed later); :class:`_BadSample` when it has no
+    such member or its caption does not decode."""
+    suffix = next((s for s in suffixes if s in members), None)
     if suffix is None:
         found = ", ".join(sorted(members))
-        raise _BadSample(f"no image member ({'/'.join(SHARD_IMAGE_SUFFIXES)}); it has {found}")
+        raise _BadSample(f"no {_media(suffixes)} member ({'/'.join(suffixes)}); it has {found}")
     image = members[suffix]
+    is_image = suffix in SHARD_IMAGE_SUFFIXES
     return {
         "member": image.name,
         "offset": image.offset_data,
         "size": image.size,
-        "hw": _member_image_size(archive.extractfile(image)),
+        "hw": _member_image_size(archive.extractfile(image)) if is_image else None,
         "caption": _sample_caption(archive, members),
     }
 
 
-def _scan_tar(handle: IO[bytes], shard: str) -> dict[str, Any]:
+def _media(suffixes: Sequence[str]) -> str:
+    """What ``suffixes`` read, for messages: "image", or "video or image"."""
+    return "image" if tuple(suffixes) == SHARD_IMAGE_SUFFIXES else "video or image"
+
+
+def _scan_tar(
+    handle: IO[bytes], shard: str, suffixes: Sequence[str] = SHARD_IMAGE_SUFFIXES
+) -> dict[str, Any]:
     """Index a seekable, uncompressed tar: each sample's image member, its data offset and size,
     the image's ``(height, width)`` and the caption, and the samples left out with the reason.
     A sample is the members that share a key: the member path up to the first dot of its file
@@ -226,9 +242,9 @@ def _scan_tar(handle: IO[bytes], shard: str) -> dict[str, Any]:
             if handle.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):
                 raise tarfile.ReadError(f"no end-of-archive marker after byte {archive.offset}")
             for key, members in groups.items():
-                num_without_image += not any(s in members for s in SHARD_IMAGE_SUFFIXES)
+                num_without_image += not any(s in members for s in suffixes)
                 try:
-                    samples.append(_index_sample(archive, members))
+                    samples.append(_index_sample(archive, members, suffixes))
                 except _BadSample as error:
                     skipped.append([key, str(error)])
     except (tarfile.TarError, EOFError) as error:
@@ -252,7 +268,7 @@ def _load_index(index_path: Path, url: str) -> dict[str, Any] | None:
     return index
 
 
-def _build_index(url: str, digest: str, index_dir: Path) -> dict[str, Any]:
+def _build_index(url: str, digest: str, index_dir: Path, suffixes: Sequence[str]) -> dict[str, Any]:
     """Scan the shard; ``pipe:`` and unseekable remote shards are first copied to
     ``index_dir/shards/<digest>.tar``, since their images must later be read by offset."""
     name = _shard_name(url)
@@ -264,15 +280,23 @@ def _build_index(url: str, digest: str, index_dir: Path) -> dict[str, Any]:
     elif local is None:
         with fsspec.open(url, "rb") as remote:
             if remote.seekable():
-                return {"reader": "fsspec", "source": url, **_scan_tar(remote, name)}
+                return {"reader": "fsspec", "source": url, **_scan_tar(remote, name, suffixes)}
             _write_atomic(copy, partial(shutil.copyfileobj, remote))
         local = copy
     with open(local, "rb") as handle:
-        return {"reader": "file", "source": str(local.resolve()), **_scan_tar(handle, name)}
+        return {
+            "reader": "file",
+            "source": str(local.resolve()),
+            **_scan_tar(handle, name, suffixes),
+        }
 
 
-def shard_index(url: str, index_dir: Path) -> dict[str, Any]:
-    """The index of one shard, read from ``index_dir`` or built and stored there.
+def shard_index(
+    url: str, index_dir: Path, suffixes: Sequence[str] = SHARD_IMAGE_SUFFIXES
+) -> dict[str, Any]:
+    """The index of one shard, read from ``index_dir`` or built and stored there; a sample's
+    media is its first member of ``suffixes`` (a video run's index, with
+    :data:`SHARD_CLIP_SUFFIXES`, is a file of its own).
 
     The index file is named by a hash of the URL, plus the size and modification time of a
     local file, so a changed local shard is indexed again. A ``pipe:`` or remote shard is
@@ -285,11 +309,17 @@ def shard_index(url: str, index_dir: Path) -> dict[str, Any]:
             raise ValueError(f"shard {url} does not exist; check the shard URLs (data.path)")
         stat = local.stat()
         key = f"{local.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    if tuple(suffixes) != SHARD_IMAGE_SUFFIXES:
+        key += "\0" + ",".join(suffixes)
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
     index_path = Path(index_dir) / f"{digest}.json"
     index = _load_index(index_path, url)
     if index is None:
-        index = {"version": INDEX_VERSION, "url": url, **_build_index(url, digest, index_dir)}
+        index = {
+            "version": INDEX_VERSION,
+            "url": url,
+            **_build_index(url, digest, index_dir, suffixes),
+        }
         _write_atomic(index_path, lambda handle: handle.write(json.dumps(index).encode()))
     return index
 
@@ -299,17 +329,19 @@ def webdataset_records(urls: str | Sequence[str], index_dir: Path) -> list[Image
     return webdataset_scan(urls, index_dir).logged_records()
 
 
-def _index_or_reason(url: str, index_dir: Path) -> dict[str, Any] | str:
+def _index_or_reason(url: str, index_dir: Path, suffixes: Sequence[str]) -> dict[str, Any] | str:
     """The shard's index, or why it cannot be read (one shard never stops the others)."""
     try:
-        return shard_index(url, index_dir)
+        return shard_index(url, index_dir, suffixes)
     except (ValueError, OSError) as error:
         if isinstance(error, ValueError) and not isinstance(error, UnicodeDecodeError):
             return str(error).removeprefix("data: ")
         return f"shard {url} cannot be read ({error_reason(error)})"
 
 
-def webdataset_scan(urls: str | Sequence[str], index_dir: Path) -> Scan:
+def webdataset_scan(
+    urls: str | Sequence[str], index_dir: Path, suffixes: Sequence[str] = SHARD_IMAGE_SUFFIXES
+) -> Scan:
     """The samples of webdataset tar shards, in shard order then member order.
 
     Args:
@@ -317,6 +349,8 @@ def webdataset_scan(urls: str | Sequence[str], index_dir: Path) -> Scan:
             them. A URL is a local path, ``file:PATH``, ``pipe:COMMAND`` (the command's stdout)
             or an fsspec URL (``s3://``, ``gs://``, ``https://``, ``memory://`` ...).
         index_dir: where each shard's index (and the copy of a ``pipe:`` shard) is kept.
+        suffixes: the member suffixes read as a sample's media, in order of preference
+            (:data:`SHARD_CLIP_SUFFIXES` in a video run: then a video's ``size`` is None).
 
     Returns:
         One :class:`ImageRecord` per sample with an image, named ``<shard>/<member>``, with
@@ -331,7 +365,9 @@ def webdataset_scan(urls: str | Sequence[str], index_dir: Path) -> Scan:
     expanded = expand_urls(urls)
     index_dir = Path(index_dir)
     with ThreadPoolExecutor(max_workers=min(NUM_INDEX_THREADS, len(expanded))) as pool:
-        indexes = list(pool.map(partial(_index_or_reason, index_dir=index_dir), expanded))
+        indexes = list(
+            pool.map(partial(_index_or_reason, index_dir=index_dir, suffixes=suffixes), expanded)
+        )
     scan = Scan()
     for url, index in zip(expanded, indexes, strict=True):
         if isinstance(index, str):
@@ -343,7 +379,7 @@ def webdataset_scan(urls: str | Sequence[str], index_dir: Path) -> Scan:
                 "data: shard %s: skipped %d samples without a %s member",
                 url,
                 index["num_without_image"],
-                "/".join(SHARD_IMAGE_SUFFIXES),
+                "/".join(suffixes),
             )
         for key, reason in index["skipped"]:
             scan.skip(f"{name}/{key}", reason)
@@ -360,5 +396,7 @@ def webdataset_scan(urls: str | Sequence[str], index_dir: Path) -> Scan:
     if not scan.records:
         where = f"the {len(expanded)} shards from {expanded[0]}"
         first = f"; {scan.skipped[0].reason}" if scan.skipped else ""
-        raise UnreadableSource(where, f"no readable images{first}")
+        raise UnreadableSource(
+            where, f"no readable {_media(suffixes).replace('video', 'videos')}s{first}"
+        )
     return scan

@@ -12,6 +12,8 @@ of clips is :mod:`~impasto.data.video.clip_cache` (keys by :mod:`~impasto.data.v
   :func:`sample_clips` (target fps or stride, clip length, several clips per video).
 - :mod:`~impasto.data.video.scan`: :func:`scan_clip_folder` (clips and captions) and
   :func:`probe_clips` (the broken ones left out and listed).
+- :mod:`~impasto.data.video.index` and :mod:`~impasto.data.video.share`: the probe index kept
+  between runs, and probing split across the ranks of a run (each clip decoded by one rank).
 """
 
 from impasto.data.video.frames import (

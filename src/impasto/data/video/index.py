@@ -5,9 +5,11 @@ which for a folder of long videos takes longer than a short training run. Each s
 probes in one JSON file under ``data.index_dir`` (``~/.cache/impasto/shards`` by default, where
 the webdataset shard indexes live), keyed by each clip's path and checked against what the file
 system says of it now: a video's size and modification time, a frame folder's listing (names,
-sizes and times of its files). A clip that changed is probed again; one that does not decode
-is never stored (it is probed, and reported, every time). The file is replaced atomically, so
-ranks and runs that share it never read half of one.
+sizes and times of its files); a clip in a tar shard by its shard's identity and its member
+(:attr:`~impasto.data.video.scan.ClipRecord.identity`). A clip that changed is probed again;
+one that does not decode is never stored (it is probed, and reported, every time). The ranks
+of a run split the probing (:mod:`impasto.data.video.share`) and rank 0 alone writes the file,
+which is replaced atomically, so runs that share it never read half of one.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from impasto.data.skips import Skipped
+from impasto.data.skips import SCANNED, Skipped
 from impasto.data.video.probe import ClipInfo
-from impasto.data.video.scan import ClipRecord, probe_clips
+from impasto.data.video.scan import ClipRecord
+from impasto.data.video.share import probe_across_ranks, rank_in_group
+from impasto.distributed import barrier
 
 INDEX_VERSION = 1
 
@@ -44,8 +48,11 @@ def clip_identity(path: Path) -> str | None:
 
 
 def index_file(index_dir: Path, source: str | Path) -> Path:
-    """The probe index of the source at ``source`` (its absolute path names it)."""
-    digest = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:16]
+    """The probe index of the source at ``source``: its absolute path names it, or for shard
+    URLs (``s3://...``, ``pipe:...``, brace patterns of them) the URL text."""
+    text = str(source)
+    name = text if "://" in text or text.startswith("pipe:") else str(Path(text).resolve())
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
     return Path(index_dir) / f"clips-{digest}.json"
 
 
@@ -85,36 +92,52 @@ def _write(file: Path, clips: dict[str, dict]) -> None:
         pass
 
 
+def record_identity(record: ClipRecord) -> str | None:
+    """What must not change for a stored probe of ``record`` to hold: a blob's ``identity``
+    (its shard's and member's, given by its source; None: probed every time), else
+    :func:`clip_identity` of its path."""
+    if record.blob is not None:
+        return record.identity
+    return clip_identity(Path(record.path))
+
+
 def probe_indexed(
     records: Sequence[ClipRecord], file: Path | None
 ) -> tuple[list[tuple[ClipRecord, ClipInfo]], list[Skipped]]:
-    """:func:`~impasto.data.video.scan.probe_clips` that reuses the probes stored in ``file``
-    for clips that did not change, and stores the new ones (``file`` None: no index)."""
-    if file is None:
-        return probe_clips(records)
-    stored = _read(file)
+    """Each record with its :class:`ClipInfo`, and the clips that do not decode (named once,
+    in record order, with the reason), as :func:`~impasto.data.video.scan.probe_clips` gives
+    them, reusing the probes stored in ``file`` for clips that did not change (``file`` None:
+    no index).
+
+    In a process group every rank must call it with the same records: the clips to probe are
+    split across the ranks and the results exchanged (:mod:`impasto.data.video.share`), and
+    rank 0 alone writes ``file``.
+    """
+    stored = _read(file) if file is not None else {}
     known: dict[str, ClipInfo] = {}
-    fresh: list[ClipRecord] = []
     identities: dict[str, str | None] = {}
     for record in records:
         name = str(record.path)
-        if record.blob is not None or name in identities:
-            fresh.append(record)
+        if name in identities:
             continue
-        identities[name] = identity = clip_identity(Path(record.path))
+        identities[name] = identity = record_identity(record)
         entry = stored.get(name)
-        info = _info(entry) if entry and entry.get("identity") == identity else None
-        if info is not None and identity is not None:
+        info = _info(entry) if identity is not None and entry else None
+        if info is not None and entry.get("identity") == identity:
             known[name] = info
-        else:
-            fresh.append(record)
-    probed, skipped = probe_clips([record for record in fresh if str(record.path) not in known])
-    infos = {**known, **{str(record.path): info for record, info in probed}}
-    if len(infos) > len(known):
-        clips = {name: _entry(identities[name], info) for name, info in infos.items()
-                 if identities.get(name) is not None}  # fmt: skip
-        _write(file, clips)
-    bad = {item.name for item in skipped}
-    kept = [(record, infos[str(record.path)]) for record in records
-            if str(record.path) not in bad and str(record.path) in infos]  # fmt: skip
+    fresh = [record for record in records if str(record.path) not in known]
+    results = probe_across_ranks(fresh, records)
+    infos = {**known, **{n: r for n, r in results.items() if isinstance(r, ClipInfo)}}
+    if file is not None and rank_in_group()[0] == 0 and len(infos) > len(known):
+        _write(file, {name: _entry(identities[name], info) for name, info in infos.items()
+                      if identities.get(name) is not None})  # fmt: skip
+    barrier()  # the other ranks' next read of the index finds what rank 0 wrote
+    kept, skipped, named = [], [], set()
+    for record in records:
+        name = str(record.path)
+        if name in infos:
+            kept.append((record, infos[name]))
+        elif isinstance(results.get(name), str) and name not in named:
+            named.add(name)
+            skipped.append(Skipped(SCANNED, name, results[name]))
     return kept, skipped

@@ -4,8 +4,9 @@ clip slots, and the pixels of one clip sample.
 A video run's records are :class:`~impasto.data.folder.ImageRecord` s like an image run's, so
 repeats, loss weights, the validation split, buckets and the bad-data report work unchanged:
 
-- a video or frame folder is a record with a :class:`ClipSlot` (its probed
-  :class:`~impasto.data.video.probe.ClipInfo`, and once expanded, which of its clips it is);
+- a video (a file or a tar shard's member) or a frame folder is a record with a
+  :class:`ClipSlot` (its probed :class:`~impasto.data.video.probe.ClipInfo`, and once
+  expanded, which of its clips it is);
 - an image is a record without one: a one-frame sample.
 
 A video of ``m`` clips (:func:`~impasto.data.video.sampling.sample_clips`) becomes ``m``
@@ -25,6 +26,14 @@ from PIL import Image
 
 from impasto.data.folder import IMAGE_EXTENSIONS, ImageRecord, Scan, scan_manifest
 from impasto.data.skips import SCANNED, Skipped
+from impasto.data.sources import (
+    SHARD_CLIP_SUFFIXES,
+    FileRangeBlob,
+    FsspecRangeBlob,
+    ParquetRowBlob,
+    parquet_scan,
+    webdataset_scan,
+)
 from impasto.data.video.frames import UnreadableClip
 from impasto.data.video.index import index_file, probe_indexed
 from impasto.data.video.probe import ClipInfo, decode_frames
@@ -83,20 +92,95 @@ def clip_folder_scan(source: Any, index_dir: Path) -> Scan:
 
 
 def clip_manifest_scan(source: Any, index_dir: Path) -> Scan:
-    """A JSONL or CSV manifest read as clips: each row's ``video`` (else ``image``) is a
-    video, a frame folder or an image, with its ``caption`` and ``weight``."""
+    """A JSONL, CSV or Parquet manifest read as clips: each row's ``video`` (else ``image``)
+    is a video, a frame folder or an image, with its ``caption`` and ``weight``; in Parquet
+    also a video's or an image's bytes (:func:`clip_parquet_scan`)."""
     path = Path(source.path)
     if path.suffix == ".parquet":
-        raise ValueError(
-            f"data: manifest {path}: Parquet manifests do not read clips yet (data.video); "
-            "write the rows as .jsonl or .csv"
-        )
+        return clip_parquet_scan(path, index_dir)
     rows = scan_manifest(path, columns=("video", "image"))
     found = [ClipRecord(r.image_path, r.caption, r.weight) for r in rows.records]
     return probed_scan(found, rows.skipped, index_file(index_dir, path))
 
 
-CLIP_SOURCE_READERS = {"folder": clip_folder_scan, "manifest": clip_manifest_scan}
+def clip_parquet_scan(path: Path, index_dir: Path) -> Scan:
+    """A Parquet manifest read as clips, in row order: a row's ``video`` (else ``image``) is a
+    path (a video, a frame folder or an image, relative to the file's folder) or the bytes of
+    a video or an image (:func:`~impasto.data.sources.parquet_scan`); a video's bytes are
+    probed from their row (:class:`~impasto.data.sources.ParquetRowBlob`), the probe kept by
+    the file's identity and the row. Image bytes are one-frame samples."""
+    rows = parquet_scan(path, media=("video", "image"))
+    return _probed_in_order(rows, index_file(index_dir, path))
+
+
+def _probed_in_order(rows: Scan, index: Path) -> Scan:
+    """``rows`` with each video probed (:func:`probed_scan`), in their order: a blob of an
+    image's bytes stays an image record; those that do not decode are left out and listed."""
+    stats: dict[str, str] = {}
+    image_blob = [record.blob is not None and _is_image_blob(record) for record in rows.records]
+    videos = [
+        ClipRecord(
+            record.image_path,
+            record.caption,
+            record.weight,
+            record.blob,
+            blob_identity(record.blob, stats),
+        )  # fmt: skip
+        for record, image in zip(rows.records, image_blob, strict=True)
+        if not image
+    ]
+    probed = probed_scan(videos, rows.skipped, index)
+    clips = {str(record.image_path): record for record in probed.records}
+    records = [
+        record if image else clips.get(str(record.image_path))
+        for record, image in zip(rows.records, image_blob, strict=True)
+    ]
+    return Scan([record for record in records if record is not None], probed.skipped)
+
+
+def _is_image_blob(record: ImageRecord) -> bool:
+    """Whether a blob record holds an image's bytes (a shard's image member, a Parquet
+    ``image`` cell), not a video's."""
+    if isinstance(record.blob, ParquetRowBlob):
+        return record.blob.column == "image"
+    return is_image_file(record.image_path)
+
+
+def blob_identity(blob: Any, stats: dict[str, str]) -> str | None:
+    """What must not change for a stored probe of a blob to hold: a local shard's or Parquet
+    file's path, size and modification time (``stats`` memoises them per file) and the
+    member's or row's place; a remote shard's URL and the member's place (trusted to stay the
+    same, as its shard index is); None for another blob (probed every time)."""
+    if isinstance(blob, FsspecRangeBlob):
+        return f"{blob.url}|{blob.offset}|{blob.size}"
+    if isinstance(blob, FileRangeBlob):
+        place = f"{blob.offset}|{blob.size}"
+    elif isinstance(blob, ParquetRowBlob):
+        place = f"{blob.row_group}|{blob.row}|{blob.column}"
+    else:
+        return None
+    if blob.path not in stats:
+        stat = Path(blob.path).stat()
+        stats[blob.path] = f"{blob.path}|{stat.st_size}|{stat.st_mtime_ns}"
+    return f"{stats[blob.path]}|{place}"
+
+
+def clip_shard_scan(source: Any, index_dir: Path) -> Scan:
+    """Webdataset tar shards read as clips: each sample's video member (``.mp4``, ``.webm``,
+    ``.mov``, ``.m4v``, ``.mkv``, ``.gif``), else its image (a one-frame sample), with its
+    caption member, in shard then member order (:func:`~impasto.data.sources.webdataset_scan`
+    with :data:`~impasto.data.sources.SHARD_CLIP_SUFFIXES`). Videos are probed from their byte
+    ranges, the probes kept in the probe index by shard and member; a member that does not
+    decode is left out and listed, with the shards and samples the shard index left out."""
+    shards = webdataset_scan(source.path, index_dir, SHARD_CLIP_SUFFIXES)
+    return _probed_in_order(shards, index_file(index_dir, source.path))
+
+
+CLIP_SOURCE_READERS = {
+    "folder": clip_folder_scan,
+    "manifest": clip_manifest_scan,
+    "webdataset": clip_shard_scan,
+}
 """``data.source`` → its reader in a video run (``data.video``)."""
 
 
@@ -105,8 +189,9 @@ def clip_reader(kind: str):
     read clips yet."""
     if kind not in CLIP_SOURCE_READERS:
         raise ValueError(
-            f"data.source {kind}: clips are read from folders and manifests so far "
-            "(data.video); list the videos in a .jsonl manifest, or remove data.video"
+            f"data.source {kind}: clips are read from folders, manifests and webdataset "
+            "shards so far (data.video); list the videos in a .jsonl manifest, or remove "
+            "data.video"
         )
     return CLIP_SOURCE_READERS[kind]
 
@@ -134,8 +219,7 @@ def expand_clip_slots(
         count = min(sampling.clips_per_video, len(grid) // length)
         key = len(expanded)
         expanded.extend(
-            replace(record, clip=ClipSlot(info, slot, count, length, key))
-            for slot in range(count)
+            replace(record, clip=ClipSlot(info, slot, count, length, key)) for slot in range(count)
         )
     return expanded, list(skipped.values())
 
@@ -194,8 +278,11 @@ __all__ = [
     "CLIP_SOURCE_READERS",
     "ClipSlot",
     "UnreadableClip",
+    "blob_identity",
     "clip_folder_scan",
+    "clip_shard_scan",
     "clip_manifest_scan",
+    "clip_parquet_scan",
     "clip_frame_indices",
     "clip_frames",
     "clip_reader",

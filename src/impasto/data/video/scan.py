@@ -26,12 +26,14 @@ from impasto.data.video.probe import ClipInfo, probe_clip
 class ClipRecord:
     """One video, frame folder or image, with its caption ("" when it has none) and loss
     weight; ``blob`` reads a video's bytes when they are not the file ``path`` (then ``path``
-    only names it)."""
+    only names it), and ``identity`` says what must not change for a stored probe of the blob
+    to hold (its shard's identity and member; None: the blob is probed every time)."""
 
     path: Path | str
     caption: str
     weight: float = 1.0
     blob: ClipBlob | None = None
+    identity: str | None = None
 
     @property
     def source(self) -> Path | str | ClipBlob:
