@@ -23,7 +23,8 @@ class VaeTrainSettings:
 @dataclass(frozen=True)
 class VideoVaeTrainSettings:
     """Hyperparameters of a video VAE run (:mod:`impasto.vae.video_train`) on the video demo's
-    clips; the defaults made the shipped demo video VAE."""
+    clips; the defaults made the first stage of the shipped demo video VAE, a fine-tune of it
+    with ``init`` the second (docs/video.md)."""
 
     steps: int = 2000
     batch_pixels: int = 69632  # frames x height x width per step: one 17-frame 64 px clip
@@ -35,3 +36,4 @@ class VideoVaeTrainSettings:
     kl_weight: float = 1e-6
     max_grad_norm: float = 1.0
     seed: int = 0
+    init: str = ""  # a video VAE folder to start from ("": a fresh init from ``seed``)

@@ -46,6 +46,9 @@ def add_train_video_vae_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kl-weight", type=float, default=defaults.kl_weight)
     parser.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--init", default=defaults.init, help="a video VAE folder to fine-tune (default: fresh)"
+    )
     parser.add_argument("--dtype", default="float16", help="saved weights: float16 or float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--log-every", type=int, default=100, help="steps between loss lines")
@@ -67,6 +70,7 @@ def cmd_train_video_vae(args: argparse.Namespace) -> int:
         kl_weight=args.kl_weight,
         max_grad_norm=args.max_grad_norm,
         seed=args.seed,
+        init=args.init,
         dtype=args.dtype,
         device=args.device,
         log_every=args.log_every,

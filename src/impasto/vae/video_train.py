@@ -5,6 +5,8 @@ decoder fed posterior samples, AdamW with warmup and cosine decay, no checkpoint
 are generated in memory (:mod:`impasto.vae.video_data`). The init comes from ``seed`` and every
 random draw of step ``s`` (which clips, their crops, posterior noise) from a generator seeded with
 ``derive_seed(seed, s)``, so a run replays exactly on the same machine and thread count.
+With ``init`` a run fine-tunes a saved video VAE's weights instead (the shipped one is a
+fine-tune of a 2000-step run).
 
 After the last step the weights are rounded to the saved dtype, Wan's ``latents_mean`` and
 ``latents_std`` are measured per channel on training clips (so that WanPipeline's latent map
@@ -28,7 +30,7 @@ from safetensors.torch import save_file
 
 from impasto.data import derive_seed
 from impasto.models.vae_files import SIDECAR_TRAINING_KEY
-from impasto.models.video_autoencoder import CONFIG_NAME, WEIGHTS_NAME
+from impasto.models.video_autoencoder import CONFIG_NAME, WEIGHTS_NAME, load_video_vae
 from impasto.vae.objective import get_pixel_loss
 from impasto.vae.settings import VideoVaeTrainSettings
 from impasto.vae.train import INITIAL_LOGVAR, optimizer_step
@@ -86,8 +88,22 @@ def train_video_vae_command(out_dir: Path, settings: VideoVaeTrainSettings, dtyp
     """The ``python -m impasto.vae.video`` command line that runs ``settings``."""
     words = ["python", "-m", "impasto.vae.video", "--out", str(out_dir)]
     for name, value in asdict(settings).items():
-        words += ["--" + name.replace("_", "-"), str(value)]
+        if value != "":  # no --init: a fresh init
+            words += ["--" + name.replace("_", "-"), str(value)]
     return shlex.join([*words, "--dtype", dtype])
+
+
+def starting_video_vae(settings: VideoVaeTrainSettings) -> tuple[AutoencoderKLWan, dict]:
+    """The VAE a run starts from and the training record of its ``settings.init`` folder
+    (``{}`` for a fresh init): a fresh :func:`build_tiny_video_vae` of ``settings.seed`` with a
+    :func:`near_deterministic_posterior`, or the weights of ``settings.init``, trainable."""
+    if not settings.init:
+        vae = build_tiny_video_vae(settings.seed)
+        near_deterministic_posterior(vae)
+        return vae, {}
+    vae = load_video_vae(settings.init, setting="--init").requires_grad_(True)
+    record = json.loads((Path(settings.init) / CONFIG_NAME).read_text(encoding="utf-8"))
+    return vae.train(), record.get(SIDECAR_TRAINING_KEY, {})
 
 
 def near_deterministic_posterior(vae: AutoencoderKLWan) -> None:
@@ -176,6 +192,7 @@ def train_video_vae(
     kl_weight: float = VideoVaeTrainSettings.kl_weight,
     max_grad_norm: float = VideoVaeTrainSettings.max_grad_norm,
     seed: int = VideoVaeTrainSettings.seed,
+    init: str | Path = VideoVaeTrainSettings.init,
     dtype: str = "float16",
     device: str = "cpu",
     log_every: int = 100,
@@ -195,6 +212,8 @@ def train_video_vae(
         kl_weight: KL weight on SD's per-item-sum scale (SD: 1e-6).
         max_grad_norm: gradient clipping.
         seed: init, the training clips (dataset seed), batch order and posterior noise.
+        init: a video VAE folder (e.g. the shipped one) to fine-tune instead of a fresh init
+            from ``seed``; its training record is kept in the new one's under ``"init"``.
         dtype: saved weights, "float16" or "float32"; evaluation measures the saved weights.
         device: where to train ("cpu", "cuda", ...).
         log_every: steps between loss logs (and host syncs).
@@ -204,7 +223,7 @@ def train_video_vae(
     log = log or _silent
     settings = VideoVaeTrainSettings(
         steps, batch_pixels, image_steps, crop, lr, warmup_steps, loss, kl_weight, max_grad_norm,
-        seed,
+        seed, str(init),
     )  # fmt: skip
     validate_video_settings(settings)
     if dtype not in WEIGHT_DTYPES:
@@ -213,8 +232,8 @@ def train_video_vae(
         raise ValueError(f"video vae: log_every must be positive, got {log_every}")
     command = train_video_vae_command(Path(out_dir), settings, dtype)
 
-    vae = build_tiny_video_vae(seed).to(device)
-    near_deterministic_posterior(vae)
+    vae, init_record = starting_video_vae(settings)
+    vae = vae.to(device)
     train_start = time.perf_counter()
     losses = fit_video_vae(vae, settings, log_every, log)
     train_seconds = time.perf_counter() - train_start
@@ -238,6 +257,7 @@ def train_video_vae(
             **evaluation.as_dict(),
         },
         "train_seconds": round(train_seconds, 1),
+        **({"init": init_record} if settings.init else {}),
         "torch_num_threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__},
     }
