@@ -186,9 +186,7 @@ class VPProcess:
         return sigmas_from_alphas_cumprod(self.alphas_cumprod)[times]
 
 
-def flow_shift_at(
-    shift: float, reference: int | None, image_size: tuple[int, ...] | None
-) -> float:
+def flow_shift_at(shift: float, reference: int | None, image_size: tuple[int, ...] | None) -> float:
     """``shift`` at an (H, W) image, scaled by ``shift_for_size`` when ``reference`` is set; a
     clip's size is ``(latent frames, H, W)``: its frames count as more pixels, so the shift
     grows with the sample's tokens (an image is one frame)."""

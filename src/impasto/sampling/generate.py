@@ -149,8 +149,11 @@ def generate_latents(
         raise ValueError(f"guidance_scale must be finite, got {guidance_scale}")
     if not 0.0 <= guidance_rescale <= 1.0:
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale}")
-    shape = backbone.latent_shape(height, width) if frames is None else (
-        backbone.latent_shape(height, width, frames=frames))
+    shape = (
+        backbone.latent_shape(height, width)
+        if frames is None
+        else (backbone.latent_shape(height, width, frames=frames))
+    )
     negatives = _negative_prompts(negative_prompt, len(prompts))
     # Row j of the batch (prompt j // k, image j % k) starts from the noise of seed + j.
     prompts = [prompt for prompt in prompts for _ in range(num_images_per_prompt)]

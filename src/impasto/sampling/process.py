@@ -104,7 +104,9 @@ def flow_plan(request: SamplingRequest) -> SamplingPlan:
     """A rectified-flow model (SD3 convention): the shifted t ladder from x_1 = ε to t = 0."""
     sample = get_flow_sampler(request.sampler)
     shift = shift_for_size(
-        request.flow_shift, request.height * request.frames, request.width,
+        request.flow_shift,
+        request.height * request.frames,
+        request.width,
         request.flow_shift_resolution,
     )
     timesteps, sigmas = flow_timesteps(request.num_steps, shift, request.alphas_cumprod.shape[0])
