@@ -469,10 +469,8 @@ def _add_bench(sub: Subcommands) -> None:
         help="FAMILY-PRESET: count FLOPs per token, parameters and memory on the meta device; "
         "time nothing (any size, on any machine)",
     )
-    bench.add_argument(
-        "--frames", type=int, nargs="+", metavar="N", help="video models: a clip shape per "
-        "frame count, k·4+1 (1: images); default 17 13 9 1 (video-tiny), 125 (7b-video)",
-    )  # fmt: skip
+    bench.add_argument("--frames", type=int, nargs="+", metavar="N", help="video models: "
+                       "one clip shape per frame count k·4+1 (1: an image)")  # fmt: skip
     bench.add_argument("--precision", default="auto", help="auto | bf16 | fp32 | pure_bf16")
     bench.add_argument("--device", default="auto")
     bench.add_argument(

@@ -6,6 +6,7 @@ layout needs for them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,14 +70,22 @@ def image_mix(backbone: Backbone, resolution: int, images: int | None) -> ImageM
         for aspect in ASPECTS
     )
     tokens = tuple(backbone.sequence_length(height, width) for height, width in shapes)
-    if images is None:
-        images = max(1, PADDED_TOKENS // max(tokens) // len(shapes)) * len(shapes)
-    if images < 1 or images % len(shapes):
+    counts = per_shape(images, tokens, "images", "shapes")
+    return ImageMix(shapes, counts, tokens)
+
+
+def per_shape(total: int | None, tokens: Sequence[int], what: str, kinds: str) -> tuple[int, ...]:
+    """How many samples of each shape the step holds: ``total`` split evenly over the shapes
+    (default: as many as fill :data:`PADDED_TOKENS` padded tokens); ValueError if it cannot."""
+    shapes = len(tokens)
+    if total is None:
+        total = max(1, PADDED_TOKENS // max(tokens) // shapes) * shapes
+    if total < 1 or total % shapes:
         raise ValueError(
-            f"bench: --batch {images}: the step holds as many images of each of the "
-            f"{len(shapes)} shapes; use a multiple of {len(shapes)}"
+            f"bench: --batch {total}: the step holds as many {what} of each of the "
+            f"{shapes} {kinds}; use a multiple of {shapes}"
         )
-    return ImageMix(shapes, (images // len(shapes),) * len(shapes), tokens)
+    return (total // shapes,) * shapes
 
 
 def clip_mix(
@@ -96,16 +105,9 @@ def clip_mix(
             raise ValueError(
                 f"bench: --frames {count} at --resolution {resolution}: {error}"
             ) from None
-    if samples is None:
-        samples = max(1, PADDED_TOKENS // max(tokens) // len(frames)) * len(frames)
-    if samples < 1 or samples % len(frames):
-        raise ValueError(
-            f"bench: --batch {samples}: the step holds as many clips of each of the "
-            f"{len(frames)} frame counts; use a multiple of {len(frames)}"
-        )
+    counts = per_shape(samples, tokens, "clips", "frame counts")
     shapes = ((resolution, resolution),) * len(frames)
-    count = samples // len(frames)
-    return ImageMix(shapes, (count,) * len(frames), tuple(tokens), tuple(frames), clips=True)
+    return ImageMix(shapes, counts, tuple(tokens), tuple(frames), clips=True)
 
 
 def synthetic_pack(backbone: Backbone, mix: ImageMix, seed: int = 0) -> Batch:
