@@ -1,6 +1,8 @@
 """Pipeline parallelism (``parallel.pp``, issue #32) on CPU with gloo: a DiT split into 2 stages
-trains what one process trains (1F1B over 128-token packs; GPipe over dense batches), and a
-checkpoint written at pp 2 resumes at pp 1. Without processes: the stages run in a row predict
+trains what one process trains (1F1B over 128-token packs; GPipe over dense batches), alone and
+with each stage's blocks split by tensor parallelism (4 ranks: pp 2 x tp 2, fsdp over each
+stage's tp groups), checkpoints written at pp 2 and at pp 2 x tp 2 resume at pp 1, and a
+pipelined step logs its stage's FLOPs. Without processes: the stages run in a row predict
 what the whole network predicts, their parameters are the network's under the same names, and
 the config refuses what pp does not compose with.
 
@@ -10,6 +12,7 @@ one-process references accumulate the same 2. Every launch sets OMP_NUM_THREADS=
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,9 @@ from impasto.models.dit.pipeline import SHARED, DiTStage, stage_blocks
 from impasto.models.parts import Part
 from impasto.train.checks import config_problems
 from impasto.train.pipeline_parallel import split_pipeline
+
+# The tests share one worker (pytest-xdist), which sets the launches' fixture up once.
+pytestmark = pytest.mark.xdist_group("test_pipeline_parallel")
 
 SIZES = [(64, 64), (48, 80), (80, 48)]
 
@@ -90,42 +96,80 @@ def runs(tmp_path_factory) -> Path:
         (config("pp2", "fsdp", 2), False),
         (config("pp2-dense", "fsdp", 2, steps=2, parallel=gpipe, **DENSE), False),
     ])  # fmt: skip
+    launch_plan(tmp, [
+        (config("pptp", "fsdp", 2, parallel={"tp": 2}), False),
+        (config("pptp-dense", "fsdp", 2, steps=2, parallel=gpipe | {"tp": 2},
+                memory={"gradient_checkpointing": "all"}, **DENSE), False),
+    ], nproc=4)  # fmt: skip
     shutil.copytree(out / "pp2", out / "resume")
+    shutil.copytree(out / "pptp", out / "resume-pptp")
     in_process(
         (config("one-5", "none", steps=5), False),
         (config("one-dense", "none", steps=2, **DENSE), False),
         (config("resume", "fsdp", steps=5), True),
+        (config("resume-pptp", "fsdp", steps=5), True),
     )
     return out
 
 
-@pytest.mark.slow  # the fixture's torchrun launch and one-process runs: ~2 minutes
-def test_two_stages_train_like_one_process(runs):
-    """Losses of 3 steps, weights and EMA after them equal one process's (float tolerance)."""
+@pytest.mark.slow  # the fixture's torchrun launches and one-process runs: ~3 minutes
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", ["pp2", "pptp"])
+def test_two_stages_train_like_one_process(runs, run):
+    """Losses of 3 steps, weights and EMA after them equal one process's (float tolerance):
+    2 stages, and 2 stages each split over a tp group of 2 (``pptp``: the hidden states
+    travel whole between the stages' groups)."""
     step3 = runs / "one-5" / "checkpoints" / "step-00000003"
-    torch.testing.assert_close(losses(runs / "pp2"), losses(runs / "one-5")[:3], rtol=1e-5,
+    torch.testing.assert_close(losses(runs / run), losses(runs / "one-5")[:3], rtol=1e-5,
                                atol=1e-6)  # fmt: skip
     for ema in (False, True):
-        got, want = trained_weights(runs / "pp2", ema), trained_weights(step3, ema)
+        got, want = trained_weights(runs / run, ema), trained_weights(step3, ema)
         assert got.keys() == want.keys()
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.slow  # the fixture's torchrun launch and one-process runs: ~2 minutes
-def test_gpipe_over_dense_batches_trains_like_one_process(runs):
-    assert_same_training(runs / "pp2-dense", runs / "one-dense")
+@pytest.mark.slow  # the fixture's torchrun launches and one-process runs: ~3 minutes
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", ["pp2-dense", "pptp-dense"])
+def test_gpipe_over_dense_batches_trains_like_one_process(runs, run):
+    """GPipe over dense batches of a llama-block DiT (``pptp-dense``: with tp 2, and every
+    block's activations recomputed in backward, its stage's gather of the slices too)."""
+    assert_same_training(runs / run, runs / "one-dense")
+    assert_same_training(runs / run, runs / "one-dense", ema=True)
 
 
-@pytest.mark.slow  # the fixture's torchrun launch and one-process runs: ~2 minutes
-def test_pp2_checkpoint_resumes_at_pp1(runs):
+@pytest.mark.slow  # the fixture's torchrun launches and one-process runs: ~3 minutes
+@pytest.mark.distributed
+@pytest.mark.parametrize(("run", "ranks"), [("resume", 2), ("resume-pptp", 4)])
+def test_pipelined_checkpoint_resumes_at_pp1(runs, run, ranks):
     """Step 3 written by 2 stages (each its share of the weights, under the whole model's
-    names), resumed by one process at pp 1: the continued run equals an uninterrupted one."""
-    checkpoints = sorted((runs / "resume" / "checkpoints").iterdir())
+    names; ``resume-pptp``: each stage's split over tp 2 too), resumed by one process at
+    pp 1 (and tp 1): the continued run equals an uninterrupted one."""
+    checkpoints = sorted((runs / run / "checkpoints").iterdir())
     assert [path.name for path in checkpoints] == ["step-00000003", "step-00000005"]
     assert all(is_sharded(path) for path in checkpoints)
-    assert len(list(checkpoints[0].glob("__*_0.distcp"))) == 2  # written by 2 ranks
-    assert len(losses(runs / "resume")) == 5
-    assert_same_training(runs / "resume", runs / "one-5")
+    assert len(list(checkpoints[0].glob("__*_0.distcp"))) == ranks  # one file per writer
+    assert len(losses(runs / run)) == 5
+    assert_same_training(runs / run, runs / "one-5")
+
+
+def step_flops(run: Path) -> list[float]:
+    """Each logged step's FLOPs on rank 0 (its TFLOP/s × its step time)."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [row["tflops"] * 1e12 * row["step_time"] for row in map(json.loads, lines)]
+
+
+@pytest.mark.slow  # the fixture's torchrun launches and one-process runs: ~3 minutes
+@pytest.mark.distributed
+def test_pipelined_steps_log_their_stage_flops(runs):
+    """Rank 0 (stage 0: the batch's encoding, the embedders and 3 of the 6 blocks) logs the
+    FLOPs it ran, counted as a one-process step is: more than half the whole step's (the
+    encoding runs on every stage), less than all of it, alike for steps of alike shapes."""
+    whole, stage = step_flops(runs / "one-5")[:3], step_flops(runs / "pp2")
+    assert len(stage) == 3
+    for got, want in zip(stage, whole, strict=True):
+        assert want / 2 < got < want * 0.9
+    assert stage[0] == pytest.approx(stage[1], rel=1e-6)  # two steps of 2 packs of 128 tokens
 
 
 # -- without processes ---------------------------------------------------------------------
@@ -181,9 +225,10 @@ def test_pp_refuses_what_it_does_not_compose_with(tmp_path):
     """One-line errors naming the option and the fix."""
     raw = raw_config(tmp_path, tmp_path / "out", "fsdp", 2)
     assert build_config(raw).parallel.pp == 2
+    both = build_config(raw | {"parallel": {"strategy": "hsdp", "pp": 2, "tp": 2}}).parallel
+    assert (both.pp, both.tp) == (2, 2)  # composes: each stage's blocks split over tp
     refused = {
         "set parallel.strategy: fsdp": {"parallel": {"strategy": "ddp", "pp": 2}},
-        "parallel.tp; set parallel.tp: 1": {"parallel": {"strategy": "fsdp", "pp": 2, "tp": 2}},
         "parallel.cp; set parallel.cp: 1": {"parallel": {"strategy": "fsdp", "pp": 2, "cp": 2}},
         "set train.grad_accum_steps to at least 4": {
             "parallel": {"strategy": "fsdp", "pp": 4}

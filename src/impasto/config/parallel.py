@@ -79,9 +79,10 @@ class ParallelConfig(Section):
         description="pipeline parallelism: stages that split the denoiser's blocks between them "
         "(each stage world / pp ranks), for models too large for tensor parallelism alone; the "
         "step's train.grad_accum_steps micro-batches flow through them (at least pp of them). "
-        "Needs parallel.strategy fsdp or hsdp (each stage sharded over its data-parallel "
-        "ranks), objective.method denoise and a family that splits (the diffusion "
-        "transformer): docs/distributed.md",
+        "The outermost dimension of the mesh (stages across nodes); composes with parallel.tp "
+        "(each stage's blocks split over its tp groups). Needs parallel.strategy fsdp or hsdp "
+        "(each stage sharded over its data-parallel ranks), objective.method denoise and a "
+        "family that splits (the diffusion transformer): docs/distributed.md",
     )
     pp_schedule: Literal["1f1b", "gpipe"] = Field(
         "1f1b",
@@ -110,8 +111,6 @@ def check_pipeline(config: Any) -> None:
             f"hsdp (per stage), not {parallel.strategy}; set parallel.strategy: fsdp"
         )
     refusals = {
-        "parallel.tp": (parallel.tp > 1, "set parallel.tp: 1 (tensor parallelism inside "
-                        "pipeline stages is not offered yet)"),
         "parallel.cp": (parallel.cp > 1, "set parallel.cp: 1 (a stage runs whole sequences)"),
         "objective.method": (config.objective.method != "denoise", "pipelines run the denoise "
                              "method (one denoiser call per micro-batch); set parallel.pp: 1"),

@@ -17,11 +17,19 @@ the schedule's loss function, drawing the same numbers from a copy of its genera
 loss and metrics are the method's own. The copies of the embedders every stage holds get
 their gradients summed over the stages after the schedule's backward, so they stay equal; the
 gradient norm counts them once.
+
+With tensor parallelism (``parallel.tp``) each stage's blocks are split over the stage's ``tp``
+group before FSDP and the schedule (torchtitan's order; :mod:`impasto.train.tensor_parallel`),
+and the hidden states travel whole between the stages: each rank of a ``tp`` group sends to
+and receives from its counterparts (the ``pp`` dimension's groups). The embedders are whole on
+every rank of a group and get equal gradients there, so their sum over the stages runs per
+``tp`` position unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
@@ -32,6 +40,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from impasto.distributed import RunGroup
+from impasto.logging.flops import FlopMeter
 from impasto.models.backbone import Backbone, PipelineStagePlan
 from impasto.models.parts import Part
 from impasto.train.methods import Method, Rows, StepOutput
@@ -41,13 +50,15 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}  # parallel.pp_schedu
 
 
 class MicroBatch(NamedTuple):
-    """One micro-batch of a step, as the loop hands it over: the method's arguments and the
-    seed of the global RNG it runs under (dropout)."""
+    """One micro-batch of a step, as the loop hands it over: the method's arguments, the
+    seed of the global RNG it runs under (dropout) and what decides its FLOPs (its batch's
+    shapes: the key of the loop's :class:`~impasto.logging.flops.FlopMeter`)."""
 
     batch: Any
     generator: torch.Generator
     rows: Rows
     seed: int
+    shapes: Hashable = None
 
 
 class Endpoint(nn.Module):
@@ -138,12 +149,23 @@ class PipelineRunner:
         self.micros: list[MicroBatch] = []
         self.results: dict[int, StepOutput] = {}
 
-    def run(self, micros: list[tuple]) -> list[StepOutput]:
+    def run(
+        self, micros: list[tuple], meter: FlopMeter | None = None
+    ) -> tuple[list[StepOutput], int]:
         """Forward and backward the step's micro-batches (each ``(batch, generator, rows,
-        seed)``: :class:`MicroBatch`); returns each one's
-        :class:`~impasto.train.methods.StepOutput` (loss detached), the same on every stage."""
-        endpoint, self.results = self.split.endpoint, {}
+        seed, shapes)``: :class:`MicroBatch`); returns each one's
+        :class:`~impasto.train.methods.StepOutput` (loss detached), the same on every stage,
+        and the FLOPs this rank ran for them (0 without a ``meter``): counted as the loop
+        counts a micro-step's (once per step's shapes), so a pipelined run reports its
+        devices' TFLOP/s as any other run does."""
         self.micros = micros = [MicroBatch(*micro) for micro in micros]
+        key = ("pipeline", *(micro.shapes for micro in micros))
+        with meter.measure(key) if meter is not None else contextlib.nullcontext():
+            outputs = self.run_micros(micros)
+        return outputs, (meter.flops(key) or 0) if meter is not None else 0
+
+    def run_micros(self, micros: list[MicroBatch]) -> list[StepOutput]:
+        endpoint, self.results = self.split.endpoint, {}
         templates, self.calls = [], []
         for micro in micros:  # every stage: the method's inputs to the denoiser
             torch.manual_seed(micro.seed)
@@ -209,7 +231,8 @@ class PipelineRunner:
 
     def sum_shared_grads(self) -> None:
         """Sum the gradients of the embedders every stage holds over the stages (each stage's
-        copy saw its own blocks' share): one all-reduce of their local shards."""
+        copy saw its own blocks' share): one all-reduce of their local shards over the ``pp``
+        group (the ranks at one data-parallel and ``tp`` position, whose shards match)."""
         if not self.shared:
             return
         for param in self.shared:

@@ -18,6 +18,13 @@ tensor parallelism, activation checkpointing, compile, ``fully_shard``). Norm we
 read a slice (QK norm over a slice of the heads; affine norms over a slice of the sequence)
 are replicated ``DTensor`` s, so their gradients are summed over the group; the per-sample
 modulation vectors, whole on every rank, get their gradients summed by :class:`SumGradients`.
+
+Under pipeline parallelism (``parallel.pp``) this splits each stage's own blocks on the stage's
+``tp`` group (torchtitan's order: tensor parallelism per stage, then FSDP, then the schedule).
+The sequence enters a stage whole and is split at its first block; a stage without the output
+layer gathers its last block's slices whole, so the hidden states that travel between stages
+are the full ``[B, S, D]`` on every rank of a ``tp`` group (the next stage's split of them
+all-gathers their gradient in backward: whole on every rank again).
 """
 
 from __future__ import annotations
@@ -77,9 +84,12 @@ def apply_tensor_parallel(backbone: Backbone, mesh: DeviceMesh) -> None:
     first = plan.blocks[0]  # the whole sequence in, each rank's slice out
     entry = relayout_first(positional_arguments(first), Replicate(), SEQUENCE)
     parallelize_module(first, mesh, entry)
-    output = denoiser.get_submodule(plan.output)  # the slices gathered whole again
-    gather = relayout_first(positional_arguments(output), SEQUENCE, Replicate())
-    parallelize_module(output, mesh, gather)
+    output = dict(denoiser.named_modules()).get(plan.output)
+    if output is None:  # a pipeline stage before the last: the hidden states leave it whole
+        plan.blocks[-1].register_forward_hook(gather_sequence_hook(mesh.get_group()))
+    else:  # the slices gathered whole again before the output layer
+        gather = relayout_first(positional_arguments(output), SEQUENCE, Replicate())
+        parallelize_module(output, mesh, gather)
     if plan.token_multiple:
         setattr(denoiser, plan.token_multiple, mesh.size())
 
@@ -162,6 +172,32 @@ class SumGradients(torch.autograd.Function):
 def sum_gradients_hook(group: dist.ProcessGroup):  # noqa: ANN201
     def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
         return SumGradients.apply(output, group)
+
+    return hook
+
+
+class GatherSequence(torch.autograd.Function):
+    """Each rank's slice of the sequence (dim 1) all-gathered whole; backward, this rank's
+    slice of the gradient (whole and equal on every rank of the group: the next pipeline
+    stage's split all-gathers it). ``DTensor``'s own relayout does the same but returns a
+    view, which FSDP warns of as a module's output."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # noqa: ANN001
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        x = x.contiguous()
+        slices = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(slices, x, group=group)
+        return torch.cat(slices, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
+        return grad.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None
+
+
+def gather_sequence_hook(group: dist.ProcessGroup):  # noqa: ANN201
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        return GatherSequence.apply(output, group)
 
     return hook
 

@@ -446,9 +446,8 @@ class Trainer:
         # Summed on the device: .item() happens only on logging steps (no per-step host sync).
         total_loss = torch.zeros((), device=self.setup.backbone.device)
         metrics: dict[str, torch.Tensor] = {}
-        self.step_flops = 0
         step_seed = derive_seed(config.train.seed, 0, state.step, 0)  # the method's draws
-        outputs, pipelined, num_samples = [], [], 0  # (pipelined: parallel.pp runs them at once)
+        outputs, pipelined, num_samples, self.step_flops = [], [], 0, 0
         for micro in range(accum):
             with self.meter.waiting():
                 batch = next(self.data.stream)
@@ -472,7 +471,7 @@ class Trainer:
             generator = torch.Generator().manual_seed(step_seed)
             num_samples += len(batch.captions)
             if self.setup.pipeline is not None:
-                pipelined.append((batch, generator, rows, seed))
+                pipelined.append((batch, generator, rows, seed, batch_shapes(batch)))
                 continue
             key = batch_shapes(batch)
             with self.flop_meter.measure(key) if self.flop_meter else contextlib.nullcontext():
@@ -480,7 +479,8 @@ class Trainer:
             if self.flop_meter is not None:
                 self.step_flops += self.flop_meter.flops(key) or 0
             outputs.append(out)
-        outputs = self.setup.pipeline.run(pipelined) if pipelined else outputs
+        if pipelined:  # parallel.pp runs them at once (and counts this stage's FLOPs)
+            outputs, self.step_flops = self.setup.pipeline.run(pipelined, self.flop_meter)
         for out in outputs:
             total_loss += out.loss
             for name, value in out.metrics.items():  # means: averaged; (sum, count): summed

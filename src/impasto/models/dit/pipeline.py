@@ -8,6 +8,10 @@ gradients are summed over the stages after backward (:mod:`impasto.train.pipelin
 so they stay equal. The first stage alone holds the patch (and learned position) embedding,
 the last the final layer.
 
+Under ``parallel.tp`` the trainer splits a stage's blocks like the whole network's (the DiT's
+tensor-parallel plan; a stage before the last gathers its blocks' output whole, so what
+travels is the ``[B, S, D]`` of :meth:`DiTStage.io_meta` on every rank of the group).
+
 A stage's parameters keep the whole network's names (``blocks.5.attn.to_q.weight``: the blocks
 live in a dict keyed by their index), so a checkpoint written at any ``pp`` loads at any other.
 """
