@@ -55,7 +55,7 @@ def load_model(config) -> SDXLComponents:
     return components
 
 
-from impasto.models import dit, sdxl  # noqa: E402  (register the "dit" and "sdxl" families)
+from impasto.models import dit, flux, sdxl  # noqa: E402  (register the dit, flux, sdxl families)
 
 __all__ = [
     "BACKBONES",
@@ -74,6 +74,7 @@ __all__ = [
     "load_model",
     "register_backbone",
     "dit",
+    "flux",
     "sdxl",
     "save_diffusers",
     "sdxl_scheduler",

@@ -1,0 +1,50 @@
+"""The FLUX family's config section, ``model.flux``: the guidance the transformer is given and
+the length of the T5 prompt.
+
+Validated like every section (unknown key, wrong type or value: one line naming
+``model.flux.<key>``) when the family is built or a run's config is checked.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from impasto.config.section import Float, Int, PathStr, Section
+
+MAX_TEXT_LENGTH = 512  # T5 tokens: FluxPipeline refuses a max_sequence_length above 512
+DEFAULT_GUIDANCE = 3.5  # diffusers' train_dreambooth_lora_flux.py and FluxPipeline both use 3.5
+
+
+class FluxOptions(Section):
+    """``model.flux``: FLUX.1-dev's guidance embedding in training and sampling, another
+    transformer file, T5's length."""
+
+    guidance: Float = Field(
+        DEFAULT_GUIDANCE,
+        ge=0,
+        le=100,
+        description="the guidance value a guidance-distilled transformer (FLUX.1-dev) is given "
+        "in training (diffusers' --guidance_scale; ai-toolkit trains at 1); unused by a "
+        "transformer without a guidance embedding (FLUX.1-schnell)",
+    )
+    sample_guidance: Float = Field(
+        DEFAULT_GUIDANCE,
+        ge=0,
+        le=100,
+        description="the guidance value given when sampling (FluxPipeline's guidance_scale); "
+        "classifier-free guidance is the sampler's guidance_scale (FluxPipeline's "
+        "true_cfg_scale), 1 by default for a guidance-distilled model",
+    )
+    transformer: PathStr | None = Field(
+        None,
+        description="a .safetensors file of the transformer alone, in the original layout "
+        "(Black Forest Labs' flux1-dev.safetensors, ComfyUI's, a fine-tune's) or diffusers' "
+        "names, loaded into model.path's (or the preset's) architecture in place of its own",
+    )
+    text_length: Int = Field(
+        MAX_TEXT_LENGTH,
+        ge=1,
+        le=MAX_TEXT_LENGTH,
+        description="T5 tokens per prompt (FluxPipeline's max_sequence_length): 512 for "
+        "FLUX.1-dev, 256 for FLUX.1-schnell",
+    )
