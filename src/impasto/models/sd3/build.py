@@ -1,0 +1,60 @@
+"""Building the SD3.5 family from ``config.model``: a preset (``tiny``, or the full-size
+``medium`` and ``large`` architectures; random, from ``model.init_seed``) or a local diffusers
+SD3.5 folder (``model.path``), with the options of ``model.sd3``; ``model.sd3.transformer``
+loads the transformer's weights from one file, ``model.vae`` swaps the VAE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from impasto.models.backbone import FamilySpec, register_backbone, register_family
+from impasto.models.sd3.backbone import Sd3Backbone
+from impasto.models.sd3.components import PART_NAMES, PRESETS
+from impasto.models.sd3.files import load_sd3_folder, write_diffusers_folder
+from impasto.models.sd3.options import Sd3Options
+from impasto.models.sd3.single_file import load_transformer_file, write_single_file
+
+SPEC = FamilySpec(
+    parts=PART_NAMES,
+    presets=tuple(PRESETS),
+    options=Sd3Options,
+    exports={"diffusers": write_diffusers_folder, "single-file": write_single_file},
+)
+
+FROZEN_ONLY = ("text_encoder_3",)  # T5-XXL: 4.7 B parameters read once per caption
+
+
+def check_parts(parts: Any) -> None:
+    """``parts.text_encoder_3`` (T5) may only be frozen: a one-line error otherwise."""
+    if parts is None:
+        return
+    for name in FROZEN_ONLY:
+        mode = parts.mode(name)
+        if mode != "frozen":
+            raise ValueError(
+                f"parts.{name}: {mode}, but the sd3 family trains T5 frozen only; set "
+                f"parts.{name}: frozen (or train parts.text_encoder / text_encoder_2, the CLIPs)"
+            )
+
+
+@register_backbone("sd3")
+def build_sd3_backbone(config: Any) -> Sd3Backbone:
+    """SD3.5 of ``config.model``: a preset or a diffusers folder."""
+    model = config.model
+    options = SPEC.read_options(model.options, "sd3")
+    check_parts(getattr(config, "parts", None))  # sampling builds from the model section alone
+    if model.path is not None:
+        own_weights = options.transformer is None
+        components = load_sd3_folder(model.path, options.text_length, own_weights)
+    else:
+        components = PRESETS[model.preset](model.init_seed, options.text_length)
+    if options.transformer is not None:  # a single transformer file (original layout)
+        load_transformer_file(options.transformer, components.transformer)
+    if model.vae is not None:  # another 16-channel VAE (model.vae)
+        from impasto.models.vae_swap import load_vae
+
+        components.vae = load_vae(model.vae, components.vae)
+    return Sd3Backbone(components, options)
+
+
+register_family("sd3")(SPEC)

@@ -1,0 +1,242 @@
+"""An SD3.5 transformer from one ``.safetensors`` file (``model.sd3.transformer``): the original
+layout Stability AI release and ComfyUI loads (``joint_blocks.N.x_block.attn.qkv``,
+``context_block``, ``x_embedder``, ``final_layer`` ..., with or without a
+``model.diffusion_model.`` / ``diffusion_model.`` prefix; e.g. ``sd3.5_large.safetensors`` or
+a fine-tune from a model site), or diffusers' names. Weights of any float dtype are read as
+float32 into the architecture of ``model.path`` (or the preset). In a file that holds more
+than the transformer (a checkpoint with its text encoders and VAE), only the tensors under
+the ``model.diffusion_model.`` prefix are read.
+
+The original layout fuses what diffusers keeps apart: each attention's q, k and v (the image
+stream's ``x_block.attn``, the text stream's ``context_block.attn``, SD3.5 Medium's second
+image attention ``x_block.attn2``) are stacked in one ``qkv``; the final modulation and the
+last block's text modulation hold (shift, scale) where diffusers has (scale, shift). The map is
+ComfyUI's ``comfy.utils.mmdit_to_diffusers`` read backwards; ``tests/test_sd3_single_file.py``
+holds it against that map and diffusers' own ``convert_sd3_transformer_checkpoint_to_diffusers``.
+
+:func:`to_original` is the inverse map: ``impasto export --format single-file`` of an SD3 run
+writes the transformer in the original layout under ``model.diffusion_model.``, the file
+ComfyUI's checkpoint loader and ``model.sd3.transformer`` read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+SETTING = "model.sd3.transformer"
+PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+ORIGINAL_KEY = "x_embedder.proj.weight"  # present in every original-layout SD3 transformer
+DIFFUSERS_KEY = "pos_embed.proj.weight"
+ENDS = ("weight", "bias")
+
+BASIC = {  # diffusers name → original name (weight and bias)
+    "pos_embed.proj": "x_embedder.proj",
+    "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+    "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+    "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+    "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
+    "context_embedder": "context_embedder",
+    "proj_out": "final_layer.linear",
+}
+IMAGE_LINEARS = {  # inside a joint block, every block
+    "norm1.linear": "x_block.adaLN_modulation.1", "attn.to_out.0": "x_block.attn.proj",
+    "ff.net.0.proj": "x_block.mlp.fc1", "ff.net.2": "x_block.mlp.fc2",
+}  # fmt: skip
+TEXT_LINEARS = {  # every block but the last (it keeps no text output)
+    "norm1_context.linear": "context_block.adaLN_modulation.1",
+    "attn.to_add_out": "context_block.attn.proj",
+    "ff_context.net.0.proj": "context_block.mlp.fc1",
+    "ff_context.net.2": "context_block.mlp.fc2",
+}
+QK_NORMS = {  # RMS norms of the queries and keys (SD3.5), weights only
+    "attn.norm_q": "x_block.attn.ln_q", "attn.norm_k": "x_block.attn.ln_k",
+    "attn.norm_added_q": "context_block.attn.ln_q",
+    "attn.norm_added_k": "context_block.attn.ln_k",
+}  # fmt: skip
+FUSED_QKV = (
+    (("attn.to_q", "attn.to_k", "attn.to_v"), "x_block.attn.qkv"),
+    (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), "context_block.attn.qkv"),
+)
+SECOND_ATTENTION = {"attn2.to_out.0": "x_block.attn2.proj"}  # SD3.5 Medium's dual blocks
+SECOND_NORMS = {"attn2.norm_q": "x_block.attn2.ln_q", "attn2.norm_k": "x_block.attn2.ln_k"}
+SECOND_QKV = (("attn2.to_q", "attn2.to_k", "attn2.to_v"), "x_block.attn2.qkv")
+
+
+def swap_scale_shift(weight: Tensor) -> Tensor:
+    """(shift, scale) rows ↔ (scale, shift) rows of a modulation."""
+    first, second = weight.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def _blocks(state: dict[str, Tensor]) -> int:
+    indices = {int(key.split(".")[1]) for key in state if key.startswith("joint_blocks.")}
+    return max(indices) + 1 if indices else 0
+
+
+def from_original(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """An original-layout SD3 transformer's tensors under diffusers' names (KeyError naming a
+    missing tensor, ValueError naming one left over)."""
+    source = dict(state)
+    take = source.pop
+    out: dict[str, Tensor] = {"pos_embed.pos_embed": take("pos_embed")}
+    depth = _blocks(source)
+    for i in range(depth):
+        block, original = f"transformer_blocks.{i}", f"joint_blocks.{i}"
+        last = i == depth - 1
+        dual = f"{original}.x_block.attn2.qkv.weight" in source
+        qk_norm = f"{original}.x_block.attn.ln_q.weight" in source
+        linears = (
+            IMAGE_LINEARS | ({} if last else TEXT_LINEARS) | (SECOND_ATTENTION if dual else {})
+        )
+        fused = FUSED_QKV + ((SECOND_QKV,) if dual else ())
+        for end in ENDS:
+            for names, qkv in fused:
+                parts = take(f"{original}.{qkv}.{end}").chunk(3, dim=0)
+                for name, part in zip(names, parts, strict=True):
+                    out[f"{block}.{name}.{end}"] = part
+            for name, stored in linears.items():
+                out[f"{block}.{name}.{end}"] = take(f"{original}.{stored}.{end}")
+            if last:  # a text modulation of (shift, scale) only, in the original order
+                stored = take(f"{original}.context_block.adaLN_modulation.1.{end}")
+                out[f"{block}.norm1_context.linear.{end}"] = swap_scale_shift(stored)
+        norms = (QK_NORMS if qk_norm else {}) | (SECOND_NORMS if qk_norm and dual else {})
+        for name, stored in norms.items():
+            out[f"{block}.{name}.weight"] = take(f"{original}.{stored}.weight")
+    for end in ENDS:
+        for name, stored in BASIC.items():
+            out[f"{name}.{end}"] = take(f"{stored}.{end}")
+        out[f"norm_out.linear.{end}"] = swap_scale_shift(
+            take(f"final_layer.adaLN_modulation.1.{end}")
+        )
+    if source:
+        raise ValueError(f"a tensor the SD3 transformer does not have: {sorted(source)[0]!r}")
+    return out
+
+
+def to_original(state: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """A diffusers SD3 transformer's state dict in the original layout, under ``prefix``: the
+    inverse of :func:`from_original`."""
+    source = dict(state)
+    take = source.pop
+    out: dict[str, Tensor] = {"pos_embed": take("pos_embed.pos_embed")}
+    depth = 1 + max(
+        int(key.split(".")[1]) for key in source if key.startswith("transformer_blocks.")
+    )
+    for i in range(depth):
+        block, original = f"transformer_blocks.{i}", f"joint_blocks.{i}"
+        last = i == depth - 1
+        dual = f"{block}.attn2.to_q.weight" in source
+        qk_norm = f"{block}.attn.norm_q.weight" in source
+        linears = (
+            IMAGE_LINEARS | ({} if last else TEXT_LINEARS) | (SECOND_ATTENTION if dual else {})
+        )
+        fused = FUSED_QKV + ((SECOND_QKV,) if dual else ())
+        for end in ENDS:
+            for names, qkv in fused:
+                parts = [take(f"{block}.{name}.{end}") for name in names]
+                out[f"{original}.{qkv}.{end}"] = torch.cat(parts, dim=0)
+            for name, stored in linears.items():
+                out[f"{original}.{stored}.{end}"] = take(f"{block}.{name}.{end}")
+            if last:
+                modulation = take(f"{block}.norm1_context.linear.{end}")
+                out[f"{original}.context_block.adaLN_modulation.1.{end}"] = swap_scale_shift(
+                    modulation
+                )
+        norms = (QK_NORMS if qk_norm else {}) | (SECOND_NORMS if qk_norm and dual else {})
+        for name, stored in norms.items():
+            out[f"{original}.{stored}.weight"] = take(f"{block}.{name}.weight")
+    for end in ENDS:
+        for name, stored in BASIC.items():
+            out[f"{stored}.{end}"] = take(f"{name}.{end}")
+        out[f"final_layer.adaLN_modulation.1.{end}"] = swap_scale_shift(
+            take(f"norm_out.linear.{end}")
+        )
+    if source:
+        raise ValueError(
+            f"a tensor the SD3 original layout has no place for: {sorted(source)[0]!r}"
+        )
+    return {f"{prefix}{key}": value for key, value in out.items()}
+
+
+def write_single_file(backbone: Any, out: Path, record: dict[str, Any], dtype: torch.dtype) -> Path:
+    """``impasto export --format single-file`` of an SD3.5 run (``FamilySpec.exports``): the
+    rebuilt transformer (adapters merged, cast to ``dtype`` by the exporter) as one
+    ``.safetensors`` file ``out`` in the original layout under ``model.diffusion_model.``, as
+    Stability AI release it (``sd3.5_large.safetensors``: the transformer alone; its text
+    encoders and VAE stay in the diffusers folder)."""
+    from safetensors.torch import save_file
+
+    if out.suffix.lower() != ".safetensors":
+        raise ValueError(
+            f"export --out {out}: the single file needs a .safetensors name, e.g. "
+            f"{out.with_suffix('.safetensors').name}"
+        )
+    state = backbone.components.transformer.state_dict()
+    tensors = to_original(state, PREFIXES[0])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"impasto.family": record.get("family", "sd3"), "format": "pt"}
+    save_file({key: value.contiguous() for key, value in tensors.items()}, str(out), metadata)
+    return out
+
+
+def read_transformer_file(path: str | Path) -> dict[str, Tensor]:
+    """The transformer file ``path`` as a diffusers state dict, float32 (module docstring);
+    every problem one line naming ``model.sd3.transformer``."""
+    from safetensors.torch import load_file
+
+    from impasto.models.single_file.file_errors import check_safetensors
+
+    check_safetensors(path, SETTING)  # missing, unreadable, truncated: say which
+    state = load_file(str(path))
+    for prefix in PREFIXES:
+        if any(key.startswith(prefix) for key in state):
+            state = {
+                key.removeprefix(prefix): value
+                for key, value in state.items()
+                if key.startswith(prefix)  # an all-in-one checkpoint: its transformer only
+            }
+            break
+    if ORIGINAL_KEY in state:
+        try:
+            state = from_original(state)
+        except (KeyError, ValueError) as error:
+            detail = f"no {error.args[0]!r}" if isinstance(error, KeyError) else str(error)
+            raise ValueError(
+                f"{SETTING} {path}: not a whole SD3 transformer in the original layout "
+                f"({detail}); point it at an SD3.5 transformer file"
+            ) from None
+    elif DIFFUSERS_KEY not in state:
+        raise ValueError(
+            f"{SETTING} {path}: neither an SD3 transformer's original layout (x_embedder, "
+            "joint_blocks ...) nor diffusers' (pos_embed, transformer_blocks ...)"
+        )
+    return {key: value.float() for key, value in state.items()}
+
+
+def load_transformer_file(path: str | Path, transformer: torch.nn.Module) -> None:
+    """Load the file ``path`` into ``transformer`` in place (every tensor, shapes checked); its
+    parameters may be on the meta device (built from a config alone), they take the file's."""
+    from impasto.models.io import own_aligned_storage
+
+    state = read_transformer_file(path)
+    expected = transformer.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
+    if missing or unexpected or wrong:
+        problem = (
+            f"no {missing[0]!r}" if missing else
+            f"an extra {unexpected[0]!r}" if unexpected else
+            f"{wrong[0]!r} of shape {tuple(state[wrong[0]].shape)}, not "
+            f"{tuple(expected[wrong[0]].shape)}"
+        )  # fmt: skip
+        raise ValueError(
+            f"{SETTING} {path}: does not fit the transformer of model.path / model.preset "
+            f"({problem}); use the SD3.5 folder (or preset) the file was trained from"
+        )
+    transformer.load_state_dict(state, strict=True, assign=True)
+    own_aligned_storage(transformer)

@@ -1,0 +1,128 @@
+"""What the released-transformer families (``models/flux``, ``models/sd3`` ...) share to load a
+local diffusers folder (``model.path``) offline, in float32, safetensors weights only (pickled
+weights can run code when loaded): each network from its subfolder, each tokenizer, the
+scheduler's config, or the transformer's architecture alone on the meta device (its weights
+then come from a single file). Every problem is one line naming ``model.path``, the subfolder
+and the way out; ``layout`` is the family's sentence of what the folder should hold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from impasto.models.io import (
+    DIFFUSERS_WEIGHTS,
+    TRANSFORMERS_DTYPE_KWARG,
+    TRANSFORMERS_WEIGHTS,
+    check_weights,
+    own_aligned_storage,
+)
+
+SETTING = "model.path"
+FP32_DIFFUSERS = (DIFFUSERS_WEIGHTS, {"torch_dtype": torch.float32})
+FP32_TRANSFORMERS = (TRANSFORMERS_WEIGHTS, {TRANSFORMERS_DTYPE_KWARG: torch.float32})
+SCHEDULER_CLASS = "FlowMatchEulerDiscreteScheduler"
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of the innermost cause of ``error`` (at most 200 characters)."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def check_subfolder(root: Path, name: str, weights: tuple[str, ...], layout: str) -> None:
+    """A one-line error unless ``root/name`` has a config and one of ``weights``."""
+    folder = root / name
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{SETTING} {root}: no {name}/config.json; {layout}")
+    if not any((folder / weight).is_file() for weight in weights):
+        raise ValueError(
+            f"{SETTING} {root}: no safetensors weights in {name}/ (expected {weights[0]}); "
+            "re-save it with save_pretrained (safetensors)"
+        )
+
+
+def load_network(
+    root: Path, name: str, model_class: Any, kind: tuple[tuple[str, ...], dict[str, Any]],
+    layout: str,
+) -> torch.nn.Module:  # fmt: skip
+    """``model_class`` from the subfolder ``name`` of ``root``, float32, eval mode, offline;
+    ``kind``: :data:`FP32_DIFFUSERS` or :data:`FP32_TRANSFORMERS`."""
+    weights, dtype = kind
+    check_subfolder(root, name, weights, layout)
+    try:
+        module = model_class.from_pretrained(
+            str(root), subfolder=name, local_files_only=True, use_safetensors=True, **dtype
+        )
+    except Exception as error:  # corrupt or truncated files, configs of another class
+        weight = next(root / name / w for w in weights if (root / name / w).is_file())
+        check_weights(root, weight)  # unreadable, not safetensors, truncated: say which
+        raise ValueError(
+            f"{SETTING} {root}: cannot load {name}/ as {model_class.__name__} "
+            f"({first_line(error)}); re-save or re-copy it"
+        ) from None
+    return own_aligned_storage(module).eval()
+
+
+def load_tokenizer(root: Path, name: str, tokenizer_class: Any, layout: str) -> Any:
+    """``tokenizer_class`` from the subfolder ``name`` of ``root``, offline."""
+    if not (root / name).is_dir():
+        raise ValueError(f"{SETTING} {root}: no {name}/ folder; {layout}")
+    try:
+        return tokenizer_class.from_pretrained(str(root), subfolder=name, local_files_only=True)
+    except Exception as error:
+        raise ValueError(
+            f"{SETTING} {root}: cannot load {name}/ as {tokenizer_class.__name__} "
+            f"({first_line(error)}); copy the tokenizer files of the release there"
+        ) from None
+
+
+def scheduler_config(root: Path, default: dict[str, Any], layout: str) -> dict[str, Any]:
+    """``scheduler/scheduler_config.json`` (a flow-matching Euler scheduler's) without its
+    private keys; ``default`` where the folder has none."""
+    file = root / "scheduler" / "scheduler_config.json"
+    if not file.is_file():
+        return dict(default)
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{SETTING} {root}: cannot read {file.name} ({error})") from None
+    if not isinstance(config, dict) or config.get("_class_name", SCHEDULER_CLASS) != (
+        SCHEDULER_CLASS
+    ):
+        raise ValueError(f"{SETTING} {root}: scheduler/ is not a {SCHEDULER_CLASS}; {layout}")
+    return {key: value for key, value in config.items() if not key.startswith("_")}
+
+
+def transformer_from_config(root: Path, model_class: Any, layout: str) -> torch.nn.Module:
+    """The folder's transformer architecture with its tensors on the meta device (nothing
+    allocated): the weights come from another file."""
+    folder = root / "transformer"
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{SETTING} {root}: no transformer/config.json; {layout}")
+    try:
+        config = model_class.load_config(str(folder), local_files_only=True)
+    except Exception as error:
+        raise ValueError(
+            f"{SETTING} {root}: cannot read transformer/config.json ({first_line(error)})"
+        ) from None
+    with torch.device("meta"):
+        return model_class.from_config(config).eval()
+
+
+def check_folder(root: Path, family_files: str, transformer_setting: str, layout: str) -> None:
+    """A one-line error if ``root`` is a single file or not a folder; ``family_files`` names
+    the family's folder in the message (``a diffusers SD3.5 folder``), ``transformer_setting``
+    the option that takes a transformer file."""
+    if root.suffix.lower() == ".safetensors":
+        raise ValueError(
+            f"{SETTING} {root}: a single file; set {SETTING} to {family_files} (its VAE and "
+            f"text encoders) and {transformer_setting} to this file"
+        )
+    if not root.is_dir():
+        raise ValueError(f"{SETTING} {root}: not a folder; {layout}")
