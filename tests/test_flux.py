@@ -153,7 +153,7 @@ def test_sampling_matches_flux_pipeline(flux):
 
 def test_true_cfg_and_decoded_images_match_flux_pipeline(flux):
     ours = generate_flux(
-        flux, ["a red cube"], negative_prompt="blurry", guidance_scale=2.0, num_steps=3, seed=1
+        flux, ["a red cube"], negative_prompt="blurry", true_cfg_scale=2.0, num_steps=3, seed=1
     )
     theirs = pipeline_of(flux)(
         "a red cube", negative_prompt="blurry", true_cfg_scale=2.0, height=64, width=64,

@@ -160,7 +160,7 @@ def test_a_missing_folder_part_is_one_line(tmp_path):
     ):
         load_flux_folder(tmp_path, TEXT_LENGTH)
     (tmp_path / "flux1-dev.safetensors").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"safetensors: a single file; set model.path to a dif"):
+    with pytest.raises(ValueError, match=r"a single file, and not a FLUX transformer; set model"):
         load_flux_folder(tmp_path / "flux1-dev.safetensors", TEXT_LENGTH)
 
 

@@ -33,7 +33,7 @@ from impasto.models.parts import has_adapters, without_adapters
 from impasto.objectives import training_alphas_cumprod
 from impasto.sample_clips import DEFAULT_CLIP_FORMATS, ClipOutput, clip_fps, clip_frames_option
 from impasto.sample_source import SamplingModel, open_model
-from impasto.sampling import generate, model_forward, to_pil
+from impasto.sampling import OwnSampling, generate, model_forward, to_pil
 from impasto.sampling.anneal import Annealing, ModelForward, anneal_weights
 from impasto.sampling.prompt_file import (
     PromptOptions,
@@ -129,6 +129,7 @@ class SampleRequest:
             batch_size=self.batch_size,
             anneal=self.anneal,
             clips=self.clip_output(model),
+            embedded_guidance=isinstance(model.backbone, OwnSampling),
         )
 
     def clip_output(self, model: SamplingModel) -> ClipOutput | None:
@@ -218,17 +219,21 @@ class SharedOptions:
     batch_size: int
     anneal: str | None
     clips: ClipOutput | None = None  # None: images
+    embedded_guidance: bool = False  # the guidance scale is the network's input, not CFG
 
 
 def parameters_text(prompt: str, options: PromptOptions, shared: SharedOptions, seed: int) -> str:
     """The PNG's ``parameters`` text, in A1111's layout (a clip's: its frames and rate too)."""
     anneal = "" if shared.anneal is None else f", Anneal: {shared.anneal}"
     clips = shared.clips
+    guidance = f"CFG scale: {options.guidance_scale}"
+    if shared.embedded_guidance:  # as Forge writes a guidance-distilled model's
+        guidance = f"CFG scale: 1, Distilled CFG Scale: {options.guidance_scale}"
     frames = "" if clips is None else f", Frames: {clips.num_frames}, FPS: {clips.fps:g}"
     return (
         f"{prompt}\nNegative prompt: {options.negative_prompt}\n"
         f"Steps: {options.num_steps}, Sampler: {shared.sampler}, "
-        f"CFG scale: {options.guidance_scale}, Guidance rescale: {shared.guidance_rescale}, "
+        f"{guidance}, Guidance rescale: {shared.guidance_rescale}, "
         f"Seed: {seed}, Size: {options.width}x{options.height}{frames}{anneal}"
     )
 

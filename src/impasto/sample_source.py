@@ -22,7 +22,7 @@ from impasto.checkpoint.trained import is_run_checkpoint, load_trained
 from impasto.config import Config
 from impasto.config.schema import ModelConfig, ObjectiveConfig, SampleConfig
 from impasto.models import SINGLE_FILE_SUFFIXES
-from impasto.models.backbone import Backbone, build_backbone
+from impasto.models.backbone import Backbone, build_backbone, pipeline_family
 from impasto.models.exported import RECORD_FILE, is_model_folder, read_record
 from impasto.models.markers import V_PRED_KEY, ZTSNR_KEY, marker_keys
 from impasto.objectives import SCHEDULES
@@ -111,7 +111,18 @@ class _ModelSource:
 def open_exported(path: Path) -> SamplingModel:
     """An exported SDXL model, sampled as the file says it was trained
     (:func:`exported_objective`); default size: the file's ``modelspec.resolution``, else
-    the UNet's ``sample_size`` in pixels (diffusers' pipeline default: 1024 for SDXL)."""
+    the UNet's ``sample_size`` in pixels (diffusers' pipeline default: 1024 for SDXL). A
+    diffusers folder of another family's pipeline (``FamilySpec.pipelines``) opens as that
+    family, which samples on its own ladder."""
+    family = pipeline_family(path) if path.is_dir() else None
+    if family is not None:
+        model = ModelConfig(family=family[0], path=str(path))
+        objective = ObjectiveConfig.model_validate(dict(family[1]))
+        backbone = build_backbone(_ModelSource(model, objective))
+        for module in backbone.modules().values():
+            module.requires_grad_(False).eval()
+        height, width = _native_size(backbone)
+        return SamplingModel(path, backbone, objective, SampleConfig(), height, width)
     objective, spacing, size = exported_objective(path)
     backbone = build_backbone(_ModelSource(ModelConfig(path=str(path)), objective))
     for module in backbone.modules().values():

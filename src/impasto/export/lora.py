@@ -57,9 +57,10 @@ _FACTORS = {"lora_A.weight": "down", "lora_B.weight": "up"}  # peft -> diffusers
 _ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v")
 
 
-def adapter_parts(config: Config) -> list[str]:
-    """The parts a run trains through adapters (``parts.<name>: lora``), in model order."""
-    return [name for name in PART_NAMES if config.parts.mode(name) == "lora"]
+def adapter_parts(config: Config, parts: tuple[str, ...] = PART_NAMES) -> list[str]:
+    """The parts a run trains through adapters (``parts.<name>: lora``), in model order
+    (``parts``: the family's; SDXL's by default)."""
+    return [name for name in parts if config.parts.mode(name) == "lora"]
 
 
 @dataclass(frozen=True)
@@ -106,17 +107,21 @@ def _ema_states(checkpoint: Path, states: dict[str, dict[str, Tensor]]) -> dict:
     return averaged
 
 
-def read_adapters(path: str | Path, kinds: tuple[str, ...], fmt: str, ema: bool) -> Adapters:
+def read_adapters(
+    path: str | Path, kinds: tuple[str, ...], fmt: str, ema: bool,
+    parts: tuple[str, ...] | None = None,
+) -> Adapters:  # fmt: skip
     """The adapter weights of the checkpoint (or run's newest) ``path``, from its files alone;
-    one-line ValueError when the run trained no adapters or another kind than ``kinds``."""
+    one-line ValueError when the run trained no adapters or another kind than ``kinds``.
+    ``parts``: the family's parts (a family's own LoRA formats); None: an SDXL run's."""
     checkpoint = resolve_checkpoint(path)
     config = read_checkpoint_config(checkpoint)
-    if config.model.family != "sdxl":
+    if parts is None and config.model.family != "sdxl":
         raise ValueError(
             f"export: the formats here are SDXL's; this run trained model.family "
             f"{config.model.family!r}"
         )
-    adapted = adapter_parts(config)
+    adapted = adapter_parts(config, PART_NAMES if parts is None else parts)
     if not adapted:
         raise ValueError("export: this run trained no adapters (parts.* = lora); nothing to export")
     if config.lora.kind not in kinds:
@@ -204,6 +209,12 @@ def diffusers_layout_key(part: str, peft_key: str) -> str:
         return f"{name}.lora.{_FACTORS[leaf]}.weight" if leaf in _FACTORS else f"{name}.{leaf}"
     name = f"unet.{attention[0]}.processor.{attention[1]}"
     return f"{name}_lora.{_FACTORS[leaf]}.weight" if leaf in _FACTORS else f"{name}.{leaf}"
+
+
+def lora_metadata(adapters: Adapters, title: str, output_name: str) -> dict[str, str]:
+    """The header of a LoRA file: SAI model-spec, ``impasto.*`` (how the model samples),
+    kohya's ``ss_*`` and the adapter kind."""
+    return _metadata(adapters, title, output_name)
 
 
 def _metadata(adapters: Adapters, title: str, output_name: str) -> dict[str, str]:

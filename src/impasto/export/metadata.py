@@ -130,8 +130,9 @@ def _learning_rates(config: Config, adapted: list[str]) -> dict[str, str]:
     """``ss_unet_lr`` / ``ss_text_encoder_lr`` of the parts that trained (kohya writes a list
     when SDXL's two encoders differ)."""
     rates = {}
-    if "unet" in adapted:
-        rates["ss_unet_lr"] = repr(_part_lr(config, "unet"))
+    denoisers = [part for part in adapted if not part.startswith("text_encoder")]
+    if denoisers:  # kohya's "unet" is the denoiser, a UNet or a transformer
+        rates["ss_unet_lr"] = repr(_part_lr(config, denoisers[0]))
     encoders = [_part_lr(config, part) for part in adapted if part.startswith("text_encoder")]
     if encoders:
         same = len(set(encoders)) == 1

@@ -12,6 +12,10 @@ Terms:
 - *text encoding*: what ``encode_text`` returns for a list of captions; a frozen dataclass of
   ``[B, ...]`` tensors, so caches can split and stack it per caption;
 - *conditioning*: everything the denoiser's forward takes besides x_t and t, on its device.
+
+Optional hooks, which a backbone has or lacks as a whole (checked with ``isinstance``):
+:class:`OwnSampling` (``sampling_ladder``, ``embedded_guidance``: a model that samples on its
+own time ladder and takes its guidance as an input; ``impasto.sampling`` then uses both).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -28,6 +33,7 @@ from torch import Tensor, nn
 
 from impasto.models.exported import FolderWriter
 from impasto.registry import lookup, registrar
+from impasto.sampling.process import OwnSampling  # noqa: F401  (an optional protocol)
 
 
 class Batch(Protocol):
@@ -168,6 +174,13 @@ class Backbone(Protocol):
 
 BackboneBuilder = Callable[[Any], Backbone]  # (Config) -> Backbone
 
+LoraWriter = Callable[[Any, dict[str, dict[str, Tensor]], Path, torch.dtype, dict[str, str]], Path]
+"""``(config, adapters, out, dtype, metadata) -> the path written``: a family writes a LoRA
+run's adapters (``config``: the run's; ``adapters``: per adapted part, peft's state dict
+``<module>.lora_A.weight`` / ``.lora_B.weight``, float32, the scale alpha/rank not applied) to
+``out`` in ``dtype``, with ``metadata`` (kohya's ``ss_*``, SAI model-spec and ``impasto.*``
+header strings, which the family may amend) in the file's header."""
+
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
@@ -259,15 +272,21 @@ class FamilySpec:
     the backbone's order), its presets, and the pydantic section of its options
     (``model.<family>``; None: it takes none), whether it reads ``model.text_encoder``, and
     the export formats it writes itself (``impasto export --format``: a writer of the rebuilt
-    backbone, :mod:`impasto.export.family`), whether it splits for ``parallel.tp``,
-    ``parallel.cp`` and ``parallel.pp``, whether it trains on clips (``data.video``),
-    and its video models of ``impasto bench`` (``--model FAMILY-NAME``)."""
+    backbone, or of a LoRA run's adapters; :mod:`impasto.export.family`), whether it splits
+    for ``parallel.tp``, ``parallel.cp`` and ``parallel.pp``, whether it trains on clips
+    (``data.video``), and its video models of ``impasto bench`` (``--model FAMILY-NAME``)."""
 
     parts: tuple[str, ...]
     presets: tuple[str, ...]
     options: type[BaseModel] | None = None
     reads_text_encoder: bool = False  # model.text_encoder: text encoders from another folder
     exports: Mapping[str, FolderWriter] = field(default_factory=dict)  # format → its writer
+    # format → writer of a LoRA run's adapters, un-merged, read from the checkpoint (no model
+    # is built): impasto export --format lora-* (impasto.export.family)
+    lora_exports: Mapping[str, LoraWriter] = field(default_factory=dict)
+    # diffusers pipeline class (a folder's model_index.json) → the objective fields it was
+    # trained with: a downloaded folder of this family opens for impasto sample
+    pipelines: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     tensor_parallel: bool = False  # parallel.tp: its backbone has a TensorParallelPlan
     context_parallel: bool = False  # parallel.cp: its backbone has a ContextParallelPlan
     pipeline_parallel: bool = False  # parallel.pp: its backbone splits into pipeline stages
@@ -293,6 +312,23 @@ class FamilySpec:
 FAMILIES: dict[str, FamilySpec] = {}
 """``model.family`` → what its config may name (registered by the family's module beside its
 builder; a family without one, like a test's, is checked by its builder only)."""
+
+
+def pipeline_family(path: str | Path) -> tuple[str, Mapping[str, Any]] | None:
+    """``(family, objective fields)`` of a diffusers folder whose ``model_index.json`` names
+    a pipeline a family reads (``FamilySpec.pipelines``); None for any other path."""
+    import json
+
+    try:
+        index = json.loads((Path(path) / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = index.get("_class_name") if isinstance(index, dict) else None
+    for family, spec in FAMILIES.items():
+        if name in spec.pipelines:
+            return family, spec.pipelines[name]
+    return None
+
 
 register_family = registrar(FAMILIES, "model family")
 """``register_family("name")(FamilySpec(...))``."""

@@ -25,6 +25,7 @@ from impasto.sampling.grid import CellLabel, labelled_grid
 from impasto.sampling.guidance import cfg, guided_output, rescale_cfg
 from impasto.sampling.process import (
     SAMPLING_PROCESSES,
+    OwnSampling,
     SamplingPlan,
     SamplingRequest,
     flow_plan,
@@ -69,6 +70,7 @@ __all__ = [
     "CellLabel",
     "Denoiser",
     "NoiseFn",
+    "OwnSampling",
     "PromptOptions",
     "SamplePrompt",
     "SamplerSpec",

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas
 from impasto.sampling.anneal import Annealing, anneal_weights, annealed_forward
-from impasto.sampling.process import SamplingRequest, sampling_plan
+from impasto.sampling.process import OwnSampling, SamplingRequest, family_plan, sampling_plan
 from impasto.sampling.samplers import StepCallback
 
 
@@ -99,6 +99,16 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
     finally:
         for module, training in flags:
             module.training = training
+
+
+def embed_guidance(backbone: Any, cond: Any, guidance_scale: float) -> tuple[Any, float]:
+    """``(conditioning, classifier-free guidance scale)``: a backbone that takes its guidance
+    as an input (``OwnSampling.embedded_guidance``) gets ``guidance_scale`` in its
+    conditioning and samples without classifier-free guidance (scale 1); others keep both."""
+    if not isinstance(backbone, OwnSampling):
+        return cond, guidance_scale
+    embedded = backbone.embedded_guidance(cond, guidance_scale)
+    return (cond, guidance_scale) if embedded is None else (embedded, 1.0)
 
 
 def _negative_prompts(negative_prompt: str | list[str], num_prompts: int) -> list[str]:
@@ -174,6 +184,7 @@ def generate_latents(
             frames=shape[1] if frames is not None else 1,
         )
     )
+    plan = family_plan(plan, backbone, prediction_type, num_steps, height, width)
     forward = model_forward(backbone)
     if anneal is not None:
         # Each sampler step evaluates the model once, at plan.timesteps[i]: one timestep per
@@ -184,6 +195,7 @@ def generate_latents(
     device = backbone.device
     with torch.no_grad(), eval_mode(*backbone.parts().values()):
         cond = backbone.sampling_condition(prompts, height, width)
+        cond, guidance_scale = embed_guidance(backbone, cond, guidance_scale)
         uncond_and_cond = None
         if guidance_scale != 1.0:
             uncond_and_cond = backbone.sampling_condition(negatives, height, width).cat(cond)

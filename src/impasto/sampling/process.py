@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -120,6 +121,37 @@ def flow_plan(request: SamplingRequest) -> SamplingPlan:
         to_latents=_unchanged,
         noised=flow_noised,
     )
+
+
+@runtime_checkable
+class OwnSampling(Protocol):
+    """Optional for a backbone (``impasto.models.backbone``): one that says how it samples,
+    where the generic sampler's settings do not (a released flow model whose ladder and
+    guidance are its own). ``impasto.sampling`` checks ``isinstance(backbone, OwnSampling)``
+    and then uses both methods, whatever the run's ``objective.flow_shift`` and
+    ``sample.guidance_scale`` would give."""
+
+    def sampling_ladder(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]:
+        """``(timesteps [n], ts [n + 1])`` float32 of a flow model for an H×W image: the
+        denoiser's time input t·T at each step, and the t ladder from 1 ending at 0."""
+
+    def embedded_guidance(self, condition: Any, guidance_scale: float) -> Any | None:
+        """``condition`` with ``guidance_scale`` given to the network as an input (a
+        guidance-distilled model: one forward per step, no classifier-free guidance), or
+        ``condition`` unchanged for a model sampled without guidance; None: the model uses
+        classifier-free guidance at ``guidance_scale``."""
+
+
+def family_plan(
+    plan: SamplingPlan, backbone: Any, prediction_type: str, num_steps: int, height: int,
+    width: int,
+) -> SamplingPlan:  # fmt: skip
+    """``plan`` on the backbone's own ladder (:class:`OwnSampling`) for a flow model; else
+    ``plan`` itself."""
+    if process_kind(prediction_type) != "flow" or not isinstance(backbone, OwnSampling):
+        return plan
+    timesteps, ts = backbone.sampling_ladder(num_steps, height, width)
+    return replace(plan, timesteps=timesteps, sigmas=ts)
 
 
 # kind (``impasto.objectives.process_kind``) → plan builder.

@@ -21,7 +21,8 @@ from impasto.models.backbone import Batch, adapter_layers
 from impasto.models.components import TEXT_TARGETS, PromptEmbeds
 from impasto.models.flux import layout
 from impasto.models.flux.components import FluxComponents
-from impasto.models.flux.options import FluxOptions
+from impasto.models.flux.ladder import ladder
+from impasto.models.flux.options import DEFAULT_GUIDANCE, FluxOptions
 from impasto.models.flux.text import encode_text, tokenizer_identity
 from impasto.models.video_autoencoder import FrameReader
 
@@ -181,14 +182,33 @@ class FluxBackbone:
         return self._conditioning(text, self.options.guidance)
 
     def sampling_condition(self, prompts: list[str], height: int, width: int) -> FluxConditioning:
-        """``model.flux.sample_guidance`` for every row; on the transformer's device, dtype."""
+        """The prompts' conditioning on the transformer's device and dtype, at FluxPipeline's
+        default guidance value (:meth:`embedded_guidance` sets the one asked for)."""
         embeds = self.encode_text(prompts)
         device, dtype = self.device, self.dtype
         embeds = PromptEmbeds(
             embeds.prompt_embeds.to(device=device, dtype=dtype),
             embeds.pooled_prompt_embeds.to(device=device, dtype=dtype),
         )
-        return self._conditioning(embeds, self.options.sample_guidance)
+        return self._conditioning(embeds, DEFAULT_GUIDANCE)
+
+    # -- sampling as FluxPipeline (impasto.sampling.process.OwnSampling) --------------------
+    def sampling_ladder(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]:
+        """FluxPipeline's ladder for an H×W image (:mod:`.ladder`): its shift grows with the
+        image's tokens; ``objective.flow_shift`` plays no part."""
+        _, rows, cols = self.latent_shape(height, width)
+        tokens = layout.sequence_length(rows, cols)
+        return ladder(self.components.scheduler_config, num_steps, tokens)
+
+    def embedded_guidance(
+        self, condition: FluxConditioning, guidance_scale: float
+    ) -> FluxConditioning:
+        """FLUX samples as FluxPipeline does by default, without classifier-free guidance:
+        FLUX.1-dev's transformer takes ``guidance_scale`` as its guidance embedding's value
+        (FluxPipeline's ``guidance_scale``); FLUX.1-schnell's has no guidance input and
+        ignores it."""
+        values = torch.full_like(condition.guidance, guidance_scale)
+        return replace(condition, guidance=values)
 
     def forward(self, x_t: Tensor, timesteps: Tensor, condition: FluxConditioning) -> Tensor:
         """The velocity at latents ``x_t`` ``[B, C, h, w]`` and times ``t·T`` ``[B]`` (or one

@@ -11,6 +11,7 @@ from impasto.models.backbone import FamilySpec, register_backbone, register_fami
 from impasto.models.flux.backbone import FluxBackbone
 from impasto.models.flux.components import PART_NAMES, PRESETS
 from impasto.models.flux.files import load_flux_folder, write_diffusers_folder
+from impasto.models.flux.lora import LORA_EXPORTS
 from impasto.models.flux.options import FluxOptions
 from impasto.models.flux.single_file import load_transformer_file
 
@@ -19,6 +20,8 @@ SPEC = FamilySpec(
     presets=tuple(PRESETS),
     options=FluxOptions,
     exports={"diffusers": write_diffusers_folder},
+    lora_exports=LORA_EXPORTS,
+    pipelines={"FluxPipeline": {"prediction_type": "flow"}},  # FLUX.1-dev, -schnell folders
 )
 
 FROZEN_ONLY = ("text_encoder_2",)  # T5-XXL: 4.7 B parameters read once per caption

@@ -130,10 +130,9 @@ def load_flux_folder(
     architecture only, on the meta device (``model.flux.transformer`` brings the weights)."""
     root = Path(path)
     if root.suffix.lower() == ".safetensors":
-        raise ValueError(
-            f"{SETTING} {root}: a single file; set model.path to a diffusers FLUX.1 folder (its "
-            "VAE and text encoders) and model.flux.transformer to this file"
-        )
+        from impasto.models.flux.single_file import single_file_advice
+
+        raise ValueError(single_file_advice(root, SETTING))
     if not root.is_dir():
         raise ValueError(f"{SETTING} {root}: not a folder; {LAYOUT}")
     names = [name for name in NETWORKS if transformer_weights or name != "transformer"]
@@ -176,6 +175,11 @@ def write_diffusers_folder(
 ) -> Path:
     """``impasto export --format diffusers`` of a FLUX run (``FamilySpec.exports``): the
     rebuilt backbone (adapters merged, cast to ``dtype`` by the exporter) as a diffusers
-    FLUX.1 folder, which ``FluxPipeline.from_pretrained`` and ``model.path`` read. ``record``
-    (the run's objective) is not written: the folder's scheduler config says how it samples."""
-    return save_flux_folder(backbone.components, out)
+    FLUX.1 folder, which ``FluxPipeline.from_pretrained`` and ``model.path`` read, with
+    ``record`` beside it (``impasto-model.json``: the family and size, which ``impasto
+    sample`` reads; the folder's scheduler config says how it samples)."""
+    from impasto.models.exported import write_record
+
+    root = save_flux_folder(backbone.components, out)
+    write_record(root, record)
+    return root

@@ -1,5 +1,5 @@
-"""The FLUX family's config section, ``model.flux``: the guidance the transformer is given and
-the length of the T5 prompt.
+"""The FLUX family's config section, ``model.flux``: the guidance the transformer is given in
+training, a transformer file, and the length of the T5 prompt.
 
 Validated like every section (unknown key, wrong type or value: one line naming
 ``model.flux.<key>``) when the family is built or a run's config is checked.
@@ -16,8 +16,8 @@ DEFAULT_GUIDANCE = 3.5  # diffusers' train_dreambooth_lora_flux.py and FluxPipel
 
 
 class FluxOptions(Section):
-    """``model.flux``: FLUX.1-dev's guidance embedding in training and sampling, another
-    transformer file, T5's length."""
+    """``model.flux``: FLUX.1-dev's guidance embedding in training, another transformer file,
+    T5's length. (Sampling takes its guidance value from ``sample.guidance_scale``.)"""
 
     guidance: Float = Field(
         DEFAULT_GUIDANCE,
@@ -26,14 +26,6 @@ class FluxOptions(Section):
         description="the guidance value a guidance-distilled transformer (FLUX.1-dev) is given "
         "in training (diffusers' --guidance_scale; ai-toolkit trains at 1); unused by a "
         "transformer without a guidance embedding (FLUX.1-schnell)",
-    )
-    sample_guidance: Float = Field(
-        DEFAULT_GUIDANCE,
-        ge=0,
-        le=100,
-        description="the guidance value given when sampling (FluxPipeline's guidance_scale); "
-        "classifier-free guidance is the sampler's guidance_scale (FluxPipeline's "
-        "true_cfg_scale), 1 by default for a guidance-distilled model",
     )
     transformer: PathStr | None = Field(
         None,

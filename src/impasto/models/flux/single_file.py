@@ -152,6 +152,13 @@ def load_transformer_file(path: str | Path, transformer: torch.nn.Module) -> Non
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     wrong = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
+    guidance = [key for key in (*missing, *unexpected) if "guidance_embedder" in key]
+    if guidance:  # the right family, the other variant: say which is which
+        have, want = ("dev", "schnell") if unexpected else ("schnell", "dev")
+        raise ValueError(
+            f"{SETTING} {path}: a FLUX.1-{have} transformer, but model.path / model.preset is "
+            f"FLUX.1-{want}'s (guidance embedding); use the FLUX.1-{have} folder or preset"
+        )
     if missing or unexpected or wrong:
         problem = (
             f"no {missing[0]!r}" if missing else
@@ -165,3 +172,78 @@ def load_transformer_file(path: str | Path, transformer: torch.nn.Module) -> Non
         )
     transformer.load_state_dict(state, strict=True, assign=True)
     own_aligned_storage(transformer)
+
+
+# -- telling a FLUX transformer file and its variant from its keys --------------------------
+GUIDANCE_KEYS = (
+    "guidance_in.in_layer.weight",  # original layout
+    "time_text_embed.guidance_embedder.linear_1.weight",  # diffusers'
+)
+DIFFUSERS_BLOCKS = "single_transformer_blocks."
+FOLDER_PARTS = "vae/, text_encoder/ (CLIP-L), text_encoder_2/ (T5), tokenizer/, tokenizer_2/"
+
+
+def _unprefixed(keys: object) -> set[str]:
+    keys = set(keys)  # type: ignore[call-overload]
+    for prefix in (*PREFIXES, "transformer."):
+        if any(key.startswith(prefix) for key in keys):
+            keys = {key.removeprefix(prefix) for key in keys}
+    return keys
+
+
+def transformer_variant(keys: object) -> str | None:
+    """``"dev"`` for a FLUX transformer's tensor names with a guidance embedding (FLUX.1-dev
+    and its fine-tunes), ``"schnell"`` without; None for names that are not a FLUX
+    transformer's (original layout or diffusers', any prefix)."""
+    names = _unprefixed(keys)
+    original = ORIGINAL_KEY in names and any(key.startswith("double_blocks.") for key in names)
+    diffusers = DIFFUSERS_KEY in names and any(key.startswith(DIFFUSERS_BLOCKS) for key in names)
+    if not (original or diffusers):
+        return None
+    return "dev" if any(key in names for key in GUIDANCE_KEYS) else "schnell"
+
+
+def file_variant(path: str | Path) -> str | None:
+    """:func:`transformer_variant` of a ``.safetensors`` file's header (None: unreadable)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as handle:
+            return transformer_variant(handle.keys())
+    except (OSError, SafetensorError):
+        return None
+
+
+def variant_of_model(
+    path: str | None, preset: str | None, transformer_file: str | None
+) -> str | None:
+    """``"dev"`` / ``"schnell"`` of the model a config names (``model.path``,
+    ``model.preset``, ``model.flux.transformer``), read from config files and headers only;
+    None where they do not say."""
+    import json
+
+    if transformer_file is not None:
+        return file_variant(transformer_file)
+    if path is not None:
+        try:
+            config = json.loads((Path(path) / "transformer" / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return "dev" if config.get("guidance_embeds") else "schnell"
+    return "schnell" if preset == "schnell" else "dev"  # tiny has dev's guidance embedding
+
+
+def single_file_advice(path: str | Path, setting: str) -> str:
+    """The one-line error for a single file given where a diffusers FLUX.1 folder belongs:
+    what the file is and what else FLUX needs."""
+    variant = file_variant(path)
+    if variant is None:
+        return (
+            f"{setting} {path}: a single file, and not a FLUX transformer; set {setting} to a "
+            f"diffusers FLUX.1 folder ({FOLDER_PARTS}, transformer/, scheduler/)"
+        )
+    return (
+        f"{setting} {path}: a FLUX.1-{variant} transformer file, without the VAE and text "
+        f"encoders; set model.path to a diffusers FLUX.1-{variant} folder ({FOLDER_PARTS}) "
+        "and model.flux.transformer to this file"
+    )

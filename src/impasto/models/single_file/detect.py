@@ -6,7 +6,8 @@ The markers are the module roots of each family's reference code, as A1111
 (``cond_stage_model.transformer``), SD 2.x on OpenCLIP-H (``cond_stage_model.model``), SDXL base
 on CLIP-L + OpenCLIP-G (``conditioner.embedders.0.transformer`` + ``.1.model``), the SDXL refiner
 on OpenCLIP-G alone (``conditioner.embedders.0.model``); SD3 is an MMDiT (``joint_blocks``) and
-Flux a double/single-stream DiT (``double_blocks``).
+Flux a double/single-stream DiT (``double_blocks``, or diffusers' ``single_transformer_blocks``;
+:func:`impasto.models.flux.single_file.transformer_variant` tells FLUX.1-dev from schnell).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def _unet_only_kind(shapes: Shapes) -> str:
 # Checked in order; the first rule that holds names the kind.
 _RULES: tuple[tuple[str, Callable[[Shapes], bool]], ...] = (
     ("flux", lambda shapes: _contains(shapes, "double_blocks.")),
+    # a FLUX transformer with diffusers' names (SD3's diffusers transformer has no single blocks)
+    ("flux", lambda shapes: _contains(shapes, "single_transformer_blocks.")),
     ("sd3", lambda shapes: _contains(shapes, "joint_blocks.")),
     ("sd1", lambda shapes: _has_prefix(shapes, "cond_stage_model.transformer.")),
     ("sd2", lambda shapes: _has_prefix(shapes, "cond_stage_model.model.")),

@@ -124,8 +124,23 @@ def _open_checkpoint(path: Path, allow_pickle: bool) -> Iterator[_Checkpoint]:
         )
 
 
+def flux_advice(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """What to do with a FLUX file given as an SDXL checkpoint: the family, its variant (the
+    guidance embedding's keys), and what else the family needs."""
+    from impasto.models.flux.single_file import FOLDER_PARTS, transformer_variant
+
+    variant = transformer_variant(shapes) or "dev or schnell"
+    return (
+        f"is a Flux checkpoint (a FLUX.1-{variant} transformer), and impasto trains SDXL base "
+        "from SDXL files: set model.family: flux, model.path to a diffusers FLUX.1 folder "
+        f"({FOLDER_PARTS}) and model.flux.transformer to this file"
+    )
+
+
 def _check_kind(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> None:
     kind = detect_checkpoint(shapes)
+    if kind == "flux":
+        raise _error(path, flux_advice(shapes))
     if kind in REFUSED_KINDS:
         raise _error(
             path,
