@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ from impasto.config import Config
 from impasto.data import Batch
 from impasto.logging.flops import FlopMeter
 from impasto.models.backbone import Backbone
+from impasto.train.quantize import tensor_bytes
 from impasto.train.setup import StepSetup, build_step_setup
 
 META = torch.device("meta")
@@ -43,6 +44,8 @@ class MetaStep:
     optimizer_bytes: int
     ema_bytes: int
     frozen_bytes: int  # the networks that do not train (text encoders, autoencoder)
+    # and the frozen weights under adapters, by network (a quantized base counts its bytes)
+    frozen_by_network: dict[str, int] = field(default_factory=dict)
 
     @property
     def state_bytes(self) -> int:
@@ -65,7 +68,9 @@ def meta_backbone(config: Config) -> Backbone:
 
 
 def _bytes(tensors: Iterable[Tensor | None]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+    """Bytes held: a quantized frozen weight (``memory.frozen_dtype`` float8/int8) counts its
+    1-byte data and scales (:func:`~impasto.train.quantize.tensor_bytes`)."""
+    return sum(tensor_bytes(t) for t in tensors if isinstance(t, Tensor))
 
 
 def _counted_micro_step(config: Config, batch: Batch) -> tuple[StepSetup, int]:
@@ -97,12 +102,11 @@ def measure_meta_step(config: Config, batch: Batch) -> MetaStep:
         for value in per_param.values()
     ]
     trained = {id(param) for param in setup.params}
-    frozen = [
-        param
-        for module in setup.backbone.modules().values()
-        for param in module.parameters()
-        if id(param) not in trained
-    ]
+    frozen_by_network = {
+        name: [param for param in module.parameters() if id(param) not in trained]
+        for name, module in setup.backbone.modules().items()
+    }
+    frozen = [param for params in frozen_by_network.values() for param in params]
     return MetaStep(
         flops=flops,
         trained_parameters=sum(param.numel() for param in setup.params),
@@ -112,4 +116,5 @@ def measure_meta_step(config: Config, batch: Batch) -> MetaStep:
         optimizer_bytes=_bytes(state),
         ema_bytes=_bytes(setup.ema.shadows) if setup.ema is not None else 0,
         frozen_bytes=_bytes(frozen),
+        frozen_by_network={name: _bytes(params) for name, params in frozen_by_network.items()},
     )

@@ -323,6 +323,8 @@ def describe(
     memory_variant, state = next(
         ((v, state) for v, state in plan.states.items() if state is not None), ("default", packed)
     )
+    by_variant = {variant: config for (variant, _), config in plan.configs.items()}
+    first = next(iter(plan.configs.values()))
     return {
         "model": plan.model,
         "resolution": plan.resolution,
@@ -358,6 +360,8 @@ def describe(
             "trained_total": state.state_bytes / 2**30,
             "frozen": state.frozen_bytes / 2**30,
         },
+        "frozen_gib": {name: size / 2**30 for name, size in state.frozen_by_network.items()},
+        "frozen_dtype": by_variant.get(memory_variant, first).memory.frozen_dtype,
         "rows": [],
         "ratios": [],
     }

@@ -61,7 +61,8 @@ def format_packed_report(report: dict[str, Any]) -> str:
         f"memory before activations{'' if variant == 'default' else f' ({variant})'}: "
         f"weights {memory['weights']:.2f} + gradients {memory['gradients']:.2f} + optimizer "
         f"{memory['optimizer']:.2f} + EMA {memory['ema']:.2f} = "
-        f"{memory['trained_total']:.2f} GiB trained; frozen networks {memory['frozen']:.2f} GiB",
+        f"{memory['trained_total']:.2f} GiB trained; frozen networks {memory['frozen']:.2f} GiB"
+        f"{frozen_parts(report)}",
     ]
     if "padded" in report.get("layouts", ("padded", "packed")):
         lines.append(
@@ -98,6 +99,17 @@ def format_packed_report(report: dict[str, Any]) -> str:
             f"{len(ratio['rounds'])} rounds, {ratio['min']:.3f}-{ratio['max']:.3f})"
         )
     return "\n".join(lines)
+
+
+def frozen_parts(report: dict[str, Any]) -> str:
+    """`` (transformer 11.08 in float8, text_encoder_2 8.80, ...)``: the frozen weights by
+    network, largest first, and the dtype of the base under adapters (``memory.frozen_dtype``);
+    empty for a report without them."""
+    sizes = report.get("frozen_gib")
+    if not sizes:
+        return ""
+    parts = [f"{name} {gib:.2f}" for name, gib in sorted(sizes.items(), key=lambda kv: -kv[1])]
+    return f" ({', '.join(parts)}; memory.frozen_dtype {report.get('frozen_dtype', 'fp32')})"
 
 
 def describe_shapes(shapes: list[dict[str, Any]], clips: bool) -> str:

@@ -46,6 +46,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lora": {"parts.unet": "lora"},
     "lora_r32": {"parts.unet": "lora", "lora.rank": 32, "lora.alpha": 32},
     "offload": {"memory.offload_blocks": True},
+    # the base under LoRA in one byte per weight: with --set parts.<part>=lora
+    "float8": {"memory.frozen_dtype": "float8"},
+    "int8": {"memory.frozen_dtype": "int8"},
     "adamw_8bit": {"optim.name": "adamw_8bit"},
 }
 """Named sets of config overrides: what ``--variants`` can ask for."""

@@ -48,11 +48,13 @@ class MemoryConfig(Section):
     vae_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="the VAE's weights (fp16 overflows in SDXL's VAE; not offered)"
     )
-    frozen_dtype: Literal["fp32", "bf16"] = Field(
+    frozen_dtype: Literal["fp32", "bf16", "float8", "int8"] = Field(
         "fp32",
         description="weights nothing trains: frozen text encoders and the base weights under "
-        "LoRA adapters (bf16 halves them: SDXL's UNet 10.3 → 5.1 GB); needs "
-        "train.mixed_precision: bf16",
+        "LoRA adapters (bf16 halves them: SDXL's UNet 10.3 → 5.1 GB; needs "
+        "train.mixed_precision: bf16); float8 or int8: the linear base weights under LoRA in "
+        "one byte each, torchao weight-only (FLUX.1-dev's transformer 44 → 11 GiB; "
+        'pip install "impasto[quant]")',
     )
 
     @field_validator("gradient_checkpointing")

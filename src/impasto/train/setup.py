@@ -42,6 +42,12 @@ from impasto.train.parallel import (
     set_gradient_sync,
     total_norm,
 )
+from impasto.train.quantize import (
+    check_device_kernel,
+    check_quantized_base,
+    is_quantized,
+    quantize_frozen_base,
+)
 
 if TYPE_CHECKING:
     from impasto.train.pipeline_parallel import PipelineRunner
@@ -150,6 +156,7 @@ def build_step_setup(
     the parallel strategy (``group``: this process in a torchrun job), and build the optimizer,
     method and EMA. Seeds the global RNG (adapters initialise from it: every rank alike)."""
     group = group or RunGroup(device=device)
+    check_quantized_base(config, device)  # before anything large is built
     torch.manual_seed(config.train.seed)
     backbone = build_starting_backbone(config)
     trainable = prepare_parts(config, backbone)
@@ -164,7 +171,15 @@ def build_step_setup(
         backbone, trainable = pipeline.backbone, pipeline.trainable
     set_train_mode(trainable, backbone)
     memory = config.memory
-    set_weight_dtypes(backbone, config.train.mixed_precision, memory.vae_dtype, memory.frozen_dtype)
+    mixed = config.train.mixed_precision
+    quantized = is_quantized(memory.frozen_dtype)
+    # float8/int8: the other frozen weights as bf16 holds them (under bf16 autocast only)
+    others = ("bf16" if mixed == "bf16" else "fp32") if quantized else memory.frozen_dtype
+    set_weight_dtypes(backbone, mixed, memory.vae_dtype, others)
+    if quantized:  # on the host: the device never holds the full-precision base
+        compute = torch.bfloat16 if mixed in ("bf16", "pure_bf16") else precision
+        check_device_kernel(memory.frozen_dtype, device, compute)
+        quantize_frozen_base(trainable, memory.frozen_dtype, compute)
     backbone.to(device)
     autocast = combined(
         autocast_factory(device, precision), attention_context(config.memory.attention)
