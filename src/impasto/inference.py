@@ -129,7 +129,8 @@ class SampleRequest:
             batch_size=self.batch_size,
             anneal=self.anneal,
             clips=self.clip_output(model),
-            embedded_guidance=isinstance(model.backbone, OwnSampling),
+            embedded_guidance=isinstance(model.backbone, OwnSampling)
+            and not getattr(model.backbone, "classifier_free_guidance", False),
         )
 
     def clip_output(self, model: SamplingModel) -> ClipOutput | None:

@@ -70,6 +70,11 @@ class ObjectiveConfig(Section):
     flow_shift: Float = Field(
         1.0, gt=0, description="flow: t → s·t/(1 + (s − 1)·t), s > 1 towards noise; SD3: 3 at 1024²"
     )
+    precondition_outputs: bool = Field(
+        False,
+        description="flow: the loss on x0 = x_t − t·v against the clean latents, as diffusers' "
+        "train_dreambooth_lora_sd3.py --precondition_outputs 1 (its default); false: on v",
+    )
     flow_shift_resolution: Int | None = Field(
         None,
         ge=8,
@@ -110,7 +115,7 @@ class ObjectiveConfig(Section):
             )
         # Options of the other family must stay at their defaults (a dumped config has them all).
         ddpm_only = ("min_timestep", "max_timestep", "timestep_bias")
-        flow_only = ("flow_shift", "flow_shift_resolution")
+        flow_only = ("flow_shift", "flow_shift_resolution", "precondition_outputs")
         for field in ddpm_only if flow else flow_only:
             if getattr(self, field) != type(self).model_fields[field].get_default(
                 call_default_factory=True

@@ -22,6 +22,17 @@ from impasto.objectives.process import NoiseProcess, flow_shift_at, noise_proces
 from impasto.objectives.schedules import training_alphas_cumprod
 
 
+def precondition(prediction: Tensor, target: Tensor, times: Tensor) -> tuple[Tensor, Tensor]:
+    """Flow's velocity prediction and target as their x0 forms, for the loss (SD3's
+    preconditioned outputs, ``objective.precondition_outputs``): diffusers'
+    train_dreambooth_lora_sd3.py compares ``x̂0 = v̂·(−σ) + x_t`` with the clean latents
+    ``x0 = x_t − σ·(ε − x0)``; their difference is ``−σ·(v̂ − v)``, so the pair
+    ``(−σ·v̂, −σ·v)`` (σ = flow t [B]) gives every loss exactly the script's x0 error without
+    needing x_t (with ``input_perturbation``, x0 is the one the target's ε makes)."""
+    sigma = (-times.float()).view(-1, *([1] * (prediction.ndim - 1))).to(prediction.device)
+    return prediction.float() * sigma, target.float() * sigma
+
+
 @dataclass(frozen=True)
 class Objective:
     """The resolved objective: the schedule's ᾱ, its noise process and the configured loss."""
@@ -106,6 +117,8 @@ class Objective:
         ``mask`` [B, 1, h, w] at the prediction's resolution: the loss is the mean over it.
         """
         config = self.config
+        if getattr(config, "precondition_outputs", False):
+            prediction, target = precondition(prediction, target, times)
         kwargs = {"mask": mask}
         if config.loss in ("huber", "pseudo_huber"):
             fraction = self.process.huber_fraction(times)

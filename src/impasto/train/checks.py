@@ -228,7 +228,7 @@ def model_problems(config: Config) -> list[str]:
     if config.parallel.cp > 1 and not spec.context_parallel:
         problems.append(
             f"parallel.cp {config.parallel.cp}: the {model.family} family has no "
-            "context-parallel plan (its denoiser is not a transformer over a token sequence); "
+            "context-parallel plan (no split of its denoiser's sequence over ranks); "
             "set parallel.cp: 1"
         )
     if config.parallel.pp > 1 and not spec.pipeline_parallel:

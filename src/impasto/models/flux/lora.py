@@ -215,14 +215,24 @@ def _fused_lora(
 ) -> tuple[Tensor, Tensor]:
     """``(down [k·r, in], up [sum of the parts' outputs, k·r])`` of the k adapted parts of one
     fused layer (module docstring)."""
-    some_a, some_b = next(iter(factors.values()))
-    rank = some_a.shape[0]
+    some_b = next(iter(factors.values()))[1]
     name = next(iter(factors))
     hidden = some_b.shape[0] // (MLP_RATIO if name == "proj_mlp" else 1)
     sizes = [hidden * MLP_RATIO if member == "proj_mlp" else hidden for member in members]
+    return fuse_lora(factors, members, sizes)
+
+
+def fuse_lora(
+    factors: dict[str, tuple[Tensor, Tensor]], members: tuple[str, ...], sizes: list[int]
+) -> tuple[Tensor, Tensor]:
+    """One LoRA of a fused layer whose outputs are ``members`` stacked (``sizes`` rows each)
+    from the ``(lora_A, lora_B)`` of its k adapted parts: ``down [k·r, in]`` their ``lora_A``
+    one under the other, ``up [sum(sizes), k·r]`` block-diagonal (zero rows for a part
+    without an adapter), so ``up·down`` is each part's own ``B·A`` in its rows."""
+    rank = next(iter(factors.values()))[0].shape[0]
     present = [member for member in members if member in factors]
     down = torch.cat([factors[member][0] for member in present])
-    up = some_b.new_zeros(sum(sizes), rank * len(present))
+    up = down.new_zeros(sum(sizes), rank * len(present))
     for column, member in enumerate(present):
         row = sum(sizes[: members.index(member)])
         lora_b = factors[member][1]

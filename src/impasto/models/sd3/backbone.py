@@ -63,6 +63,9 @@ class Sd3Backbone:
     """SD3.5's transformer, VAE, CLIP-L, CLIP-G and T5 behind the backbone protocol."""
 
     family = "sd3"
+    # samples on its own ladder (OwnSampling) but with classifier-free guidance, not a
+    # guidance input (impasto.inference writes "CFG scale" for it, not "Distilled CFG Scale")
+    classifier_free_guidance = True
 
     def __init__(self, components: Sd3Components, options: Sd3Options | None = None) -> None:
         self.components = components
@@ -189,6 +192,30 @@ class Sd3Backbone:
             embeds.prompt_embeds.to(device=device, dtype=dtype),
             embeds.pooled_prompt_embeds.to(device=device, dtype=dtype),
         )
+
+    # -- sampling as StableDiffusion3Pipeline (impasto.sampling.process.OwnSampling) ---------
+    def sampling_ladder(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]:
+        """``StableDiffusion3Pipeline``'s ladder, from the model's own scheduler config
+        (SD3.5's: n times from 1, evenly spaced in the unshifted time, shifted by 3), the same
+        at every size; ``objective.flow_shift`` plays no part (docs/sd3.md, Shift)."""
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        scheduler = self.components.scheduler()
+        if scheduler.config.use_dynamic_shifting:
+            raise ValueError(
+                "the model's scheduler shifts by the image size (use_dynamic_shifting), which "
+                "the SD3.5 releases do not; use their scheduler config (shift 3.0)"
+            )
+        scheduler.set_timesteps(num_steps)
+        return scheduler.timesteps.float(), scheduler.sigmas.float()
+
+    def sampling_shift(self) -> float:
+        """The shift of the model's scheduler config (SD3.5's: 3.0)."""
+        return float(self.components.scheduler_config.get("shift", 1.0))
+
+    def embedded_guidance(self, condition: Sd3Conditioning, guidance_scale: float) -> None:
+        """None: SD3 samples with classifier-free guidance, as StableDiffusion3Pipeline."""
+        return None
 
     def forward(
         self, x_t: Tensor, timesteps: Tensor, condition: Sd3Conditioning,

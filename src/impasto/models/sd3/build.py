@@ -5,12 +5,15 @@ loads the transformer's weights from one file, ``model.vae`` swaps the VAE."""
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 from impasto.models.backbone import FamilySpec, register_backbone, register_family
 from impasto.models.sd3.backbone import Sd3Backbone
 from impasto.models.sd3.components import PART_NAMES, PRESETS
 from impasto.models.sd3.files import load_sd3_folder, write_diffusers_folder
+from impasto.models.sd3.lora import LORA_EXPORTS
 from impasto.models.sd3.options import Sd3Options
 from impasto.models.sd3.single_file import load_transformer_file, write_single_file
 
@@ -19,9 +22,29 @@ SPEC = FamilySpec(
     presets=tuple(PRESETS),
     options=Sd3Options,
     exports={"diffusers": write_diffusers_folder, "single-file": write_single_file},
+    lora_exports=LORA_EXPORTS,
+    # SD3, SD3.5 Large / Medium folders; trained (and sampled, scheduler/) at shift 3
+    pipelines={"StableDiffusion3Pipeline": {"prediction_type": "flow", "flow_shift": 3.0}},
 )
+TRAINING_SHIFT = 3.0  # SD3.5's scheduler shift, which diffusers' SD3 scripts train at too
 
-FROZEN_ONLY = ("text_encoder_3",)  # T5-XXL: 4.7 B parameters read once per caption
+FROZEN_ONLY = ("text_encoder_3",)
+
+
+def shift_advice(config: Any) -> str | None:
+    """The one-line warning for a training run of the sd3 family left at the generic
+    ``objective.flow_shift: 1.0``: SD3.5 was trained, and samples (its scheduler), at 3.0;
+    None when the shift was set (or the run is not a flow run)."""
+    objective = getattr(config, "objective", None)
+    if objective is None or getattr(objective, "prediction_type", None) != "flow":
+        return None
+    if objective.flow_shift != 1.0 or objective.flow_shift_resolution is not None:
+        return None
+    return (
+        "objective.flow_shift is 1.0 (no shift), but SD3.5 trains and samples at shift "
+        f"{TRAINING_SHIFT} (its scheduler; diffusers' SD3 scripts): set objective.flow_shift: "
+        f"{TRAINING_SHIFT} unless you mean kohya's --training_shift default of 1.0"
+    )
 
 
 def check_parts(parts: Any) -> None:
@@ -43,6 +66,9 @@ def build_sd3_backbone(config: Any) -> Sd3Backbone:
     model = config.model
     options = SPEC.read_options(model.options, "sd3")
     check_parts(getattr(config, "parts", None))  # sampling builds from the model section alone
+    advice = shift_advice(config) if getattr(config, "train", None) is not None else None
+    if advice is not None and os.environ.get("RANK", "0") == "0":
+        warnings.warn(advice, stacklevel=2)
     if model.path is not None:
         own_weights = options.transformer is None
         components = load_sd3_folder(model.path, options.text_length, own_weights)

@@ -197,3 +197,7 @@ def build_tiny(seed: int, text_length: int) -> Sd3Components:
 
 PRESETS = {"tiny": build_tiny, "medium": build_medium, "large": build_large}
 """``model.preset`` → ``builder(seed, text_length)``."""
+PRESET_DEPTHS = {"tiny": 2, "medium": 24, "large": 38}
+"""``model.preset`` → its joint blocks (known without building it)."""
+PRESET_VARIANTS = {"tiny": "medium", "medium": "medium", "large": "large"}
+"""``model.preset`` → the release it has the wiring of (tiny: Medium's second attention)."""

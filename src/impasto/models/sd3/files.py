@@ -47,6 +47,11 @@ def load_sd3_folder(
     T5 pads to ``text_length`` tokens. ``transformer_weights`` False: the transformer's
     architecture only, on the meta device (``model.sd3.transformer`` brings the weights)."""
     root = Path(path)
+    if root.suffix.lower() == ".safetensors":
+        from impasto.models.sd3.single_file import file_variant, single_file_advice
+
+        if file_variant(root) is not None:  # an SD3 transformer: say which, and what else
+            raise ValueError(single_file_advice(root, "model.path"))
     check_folder(root, "a diffusers SD3.5 folder", "model.sd3.transformer", LAYOUT)
     networks = {
         name: load_network(root, name, model_class, kind, LAYOUT)

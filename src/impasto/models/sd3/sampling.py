@@ -33,16 +33,7 @@ DEFAULT_SKIP_STOP = 0.2
 def sd3_ladder(backbone: Sd3Backbone, num_steps: int) -> tuple[Tensor, Tensor]:
     """``(timesteps [n], ts [n + 1])`` float32: the transformer's time input t·T, and t ending
     at 0 (``StableDiffusion3Pipeline``'s, through diffusers' scheduler)."""
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    scheduler = backbone.components.scheduler()
-    if scheduler.config.use_dynamic_shifting:
-        raise ValueError(
-            "the model's scheduler shifts by the image size (use_dynamic_shifting), which the "
-            "SD3.5 releases do not; use their scheduler config (shift 3.0)"
-        )
-    scheduler.set_timesteps(num_steps)
-    return scheduler.timesteps.float(), scheduler.sigmas.float()
+    return backbone.sampling_ladder(num_steps, 0, 0)
 
 
 def _velocity(backbone: Sd3Backbone, x: Tensor, timestep: Tensor, condition: Sd3Conditioning,

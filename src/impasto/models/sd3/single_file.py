@@ -240,3 +240,90 @@ def load_transformer_file(path: str | Path, transformer: torch.nn.Module) -> Non
         )
     transformer.load_state_dict(state, strict=True, assign=True)
     own_aligned_storage(transformer)
+
+
+# -- telling an SD3 transformer file and its release from its keys ---------------------------
+FOLDER_PARTS = (
+    "vae/, text_encoder/ (CLIP-L), text_encoder_2/ (CLIP-G), text_encoder_3/ (T5), tokenizer/, "
+    "tokenizer_2/, tokenizer_3/"
+)
+RELEASES = {"large": "SD3.5 Large", "medium": "SD3.5 Medium", "unknown": "SD3"}
+LARGE_DEPTH = 38  # SD3.5 Large's joint blocks (Medium's and SD3 Medium's: 24)
+
+
+def transformer_variant(keys: object) -> str | None:
+    """``"medium"`` for an SD3 transformer's tensor names with the second image attention
+    (SD3.5 Medium's ``x_block.attn2`` / ``attn2``), ``"large"`` for 38 joint blocks without it
+    (SD3.5 Large and Large Turbo), ``"unknown"`` for another SD3 transformer (SD3 Medium);
+    None for names that are not an SD3 transformer's (original layout or diffusers', any
+    prefix: an all-in-one ComfyUI checkpoint's ``model.diffusion_model.``)."""
+    names = set(keys)  # type: ignore[call-overload]
+    for prefix in (*PREFIXES, "transformer."):
+        if any(key.startswith(prefix) for key in names):
+            names = {key.removeprefix(prefix) for key in names if key.startswith(prefix)}
+            break
+    if ORIGINAL_KEY in names and any(key.startswith("joint_blocks.") for key in names):
+        blocks, second = "joint_blocks.", ".x_block.attn2."
+    elif DIFFUSERS_KEY in names and "context_embedder.weight" in names:
+        blocks, second = "transformer_blocks.", ".attn2."
+    else:
+        return None
+    if any(second in key for key in names):
+        return "medium"
+    depth = len({key.split(".")[1] for key in names if key.startswith(blocks)})
+    return "large" if depth == LARGE_DEPTH else "unknown"
+
+
+def file_variant(path: str | Path) -> str | None:
+    """:func:`transformer_variant` of a ``.safetensors`` file's header (None: unreadable)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as handle:
+            return transformer_variant(handle.keys())
+    except (OSError, SafetensorError):
+        return None
+
+
+def variant_of_model(
+    path: str | None, preset: str | None, transformer_file: str | None
+) -> str | None:
+    """``"large"`` / ``"medium"`` of the model a config names (``model.path``,
+    ``model.preset``, ``model.sd3.transformer``), read from config files and headers only;
+    None where they do not say."""
+    import json
+
+    from impasto.models.sd3.components import PRESET_VARIANTS
+
+    if transformer_file is not None:
+        variant = file_variant(transformer_file)
+    elif path is not None:
+        try:
+            config = json.loads((Path(path) / "transformer" / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        variant = (
+            "medium" if config.get("dual_attention_layers") else
+            "large" if config.get("num_layers") == LARGE_DEPTH else None
+        )  # fmt: skip
+    else:
+        variant = PRESET_VARIANTS.get(preset or "")
+    return None if variant == "unknown" else variant
+
+
+def single_file_advice(path: str | Path, setting: str) -> str:
+    """The one-line error for a single file given where a diffusers SD3.5 folder belongs:
+    what the file is and what else SD3 needs."""
+    variant = file_variant(path)
+    if variant is None:
+        return (
+            f"{setting} {path}: a single file, and not an SD3 transformer; set {setting} to a "
+            f"diffusers SD3.5 folder ({FOLDER_PARTS}, transformer/, scheduler/)"
+        )
+    release = RELEASES[variant]
+    folder = release if variant != "unknown" else "SD3.5"
+    return (
+        f"{setting} {path}: an {release} transformer file, without the VAE and text encoders; "
+        f"set model.path to a diffusers {folder} folder ({FOLDER_PARTS}) and "
+        "model.sd3.transformer to this file"
+    )

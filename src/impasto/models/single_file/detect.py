@@ -5,7 +5,9 @@ The markers are the module roots of each family's reference code, as A1111
 (``loaders/single_file_utils.py``) detect them: SD 1.x conditions on a transformers CLIP
 (``cond_stage_model.transformer``), SD 2.x on OpenCLIP-H (``cond_stage_model.model``), SDXL base
 on CLIP-L + OpenCLIP-G (``conditioner.embedders.0.transformer`` + ``.1.model``), the SDXL refiner
-on OpenCLIP-G alone (``conditioner.embedders.0.model``); SD3 is an MMDiT (``joint_blocks``) and
+on OpenCLIP-G alone (``conditioner.embedders.0.model``); SD3 is an MMDiT (``joint_blocks``,
+or diffusers' ``context_embedder`` + ``pos_embed.proj``;
+:func:`impasto.models.sd3.single_file.transformer_variant` tells SD3.5 Large from Medium) and
 Flux a double/single-stream DiT (``double_blocks``, or diffusers' ``single_transformer_blocks``;
 :func:`impasto.models.flux.single_file.transformer_variant` tells FLUX.1-dev from schnell).
 """
@@ -72,6 +74,13 @@ _RULES: tuple[tuple[str, Callable[[Shapes], bool]], ...] = (
     # a FLUX transformer with diffusers' names (SD3's diffusers transformer has no single blocks)
     ("flux", lambda shapes: _contains(shapes, "single_transformer_blocks.")),
     ("sd3", lambda shapes: _contains(shapes, "joint_blocks.")),
+    # an SD3 transformer with diffusers' names (its text tokens' context_embedder, patches)
+    (
+        "sd3",
+        lambda shapes: (
+            _contains(shapes, "context_embedder.") and _contains(shapes, "pos_embed.proj.")
+        ),
+    ),
     ("sd1", lambda shapes: _has_prefix(shapes, "cond_stage_model.transformer.")),
     ("sd2", lambda shapes: _has_prefix(shapes, "cond_stage_model.model.")),
     ("sd2", lambda shapes: shapes.get(_SGM_OPEN_CLIP_0_WIDTH, (0,))[0] == _SD2_CONTEXT_DIM),

@@ -137,10 +137,25 @@ def flux_advice(shapes: Mapping[str, tuple[int, ...]]) -> str:
     )
 
 
+def sd3_advice(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """What to do with an SD3 file given as an SDXL checkpoint: the family, its release
+    (SD3.5 Large or Medium, from the keys), and what else the family needs."""
+    from impasto.models.sd3.single_file import FOLDER_PARTS, RELEASES, transformer_variant
+
+    release = RELEASES.get(transformer_variant(shapes) or "unknown", "SD3")
+    return (
+        f"is a Stable Diffusion 3 checkpoint (an {release} transformer), and impasto trains "
+        "SDXL base from SDXL files: set model.family: sd3, model.path to a diffusers SD3.5 "
+        f"folder ({FOLDER_PARTS}) and model.sd3.transformer to this file"
+    )
+
+
 def _check_kind(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> None:
     kind = detect_checkpoint(shapes)
     if kind == "flux":
         raise _error(path, flux_advice(shapes))
+    if kind == "sd3":
+        raise _error(path, sd3_advice(shapes))
     if kind in REFUSED_KINDS:
         raise _error(
             path,

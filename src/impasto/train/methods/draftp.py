@@ -41,6 +41,8 @@ from impasto.models.backbone import Backbone
 from impasto.models.parts import has_adapters, without_adapters
 from impasto.rewards import Reward, build_reward
 from impasto.sampling import SamplingPlan, SamplingRequest, model_forward, sampling_plan
+from impasto.sampling.generate import embed_guidance
+from impasto.sampling.process import family_plan
 from impasto.sampling.samplers import Denoiser, StepCallback
 from impasto.train.methods import (
     WHOLE_STEP,
@@ -177,7 +179,7 @@ class DraftpMethod:
         self.backbone, self.autocast = context.backbone, context.autocast
         self.resolution = self.draftp.resolution or config.data.resolution
         options = model_sampling_options(config, self.draftp.spacing)
-        self.plan = sampling_plan(
+        plan = sampling_plan(
             SamplingRequest(
                 sampler=self.draftp.sampler,
                 num_steps=self.draftp.num_steps,
@@ -190,6 +192,12 @@ class DraftpMethod:
                 width=self.resolution,
             )
         )
+        # a family that samples on its own ladder (OwnSampling: a released model's scheduler
+        # shift, fixed or size-dependent) samples here as impasto sample and its pipeline do
+        self.plan = family_plan(
+            plan, context.backbone, options["prediction_type"], self.draftp.num_steps,
+            self.resolution, self.resolution,
+        )  # fmt: skip
         self.shape = context.backbone.latent_shape(self.resolution, self.resolution)
         self.tuned_network = network(context.backbone, context.autocast)
         self.base_network = base_network(context.backbone, context.autocast)
@@ -200,11 +208,13 @@ class DraftpMethod:
         backbone, draftp, size = self.backbone, self.draftp, self.resolution
         with torch.no_grad():
             cond = backbone.sampling_condition(prompts, size, size)
+            # a guidance-distilled model takes the scale as an input, without CFG
+            cond, scale = embed_guidance(backbone, cond, draftp.guidance_scale)
             uncond_and_cond = None
-            if draftp.guidance_scale != 1.0:
+            if scale != 1.0:
                 negatives = [draftp.negative_prompt] * len(prompts)
                 uncond_and_cond = backbone.sampling_condition(negatives, size, size).cat(cond)
-        guidance = {"guidance_scale": draftp.guidance_scale}
+        guidance = {"guidance_scale": scale}
         return (
             self.plan.make_denoiser(self.tuned_network, cond, uncond_and_cond, **guidance),
             self.plan.make_denoiser(self.base_network, cond, uncond_and_cond, **guidance),
