@@ -55,7 +55,7 @@ def load_model(config) -> SDXLComponents:
     return components
 
 
-from impasto.models import dit, flux, sd3, sdxl  # noqa: E402, F401  (register the families)
+from impasto.models import dit, flux, sd3, sdxl, wan  # noqa: E402, F401  (register the families)
 
 __all__ = [
     "BACKBONES",

@@ -1,0 +1,78 @@
+"""Building the Wan family from ``config.model``: a preset (``tiny``, or the full-size ``1.3b``
+and ``14b`` architectures; random, from ``model.init_seed``) or a local diffusers Wan2.1-T2V
+folder (``model.path``), with the options of ``model.wan``; ``model.wan.transformer`` loads the
+transformer's weights from one file, ``model.vae`` swaps the video VAE (another
+``AutoencoderKLWan`` folder)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from impasto.models.backbone import (
+    ClipBenchModel,
+    FamilySpec,
+    register_backbone,
+    register_family,
+)
+from impasto.models.wan.backbone import WanBackbone
+from impasto.models.wan.components import PART_NAMES, PRESETS
+from impasto.models.wan.files import load_wan_folder, write_diffusers_folder
+from impasto.models.wan.lora import LORA_EXPORTS
+from impasto.models.wan.options import MAX_TEXT_LENGTH, WanOptions
+
+SPEC = FamilySpec(
+    parts=PART_NAMES,
+    presets=tuple(PRESETS),
+    options=WanOptions,
+    exports={"diffusers": write_diffusers_folder},
+    lora_exports=LORA_EXPORTS,
+    pipelines={"WanPipeline": {"prediction_type": "flow"}},  # Wan2.1-T2V-*-Diffusers folders
+    video=True,
+    # impasto bench --model wan-video-1.3b | wan-video-14b: 33-frame clips at 512² (9 latent
+    # frames of 32×32 patches: 9216 tokens), the LoRA preset's (configs/wan-t2v-lora.yaml)
+    clip_bench={
+        f"video-{size}": ClipBenchModel(preset=size, options={}, resolution=512, frames=(33,))
+        for size in ("1.3b", "14b")
+    },
+)
+
+FROZEN_ONLY = ("text_encoder",)  # umT5-XXL: 5.7 B parameters read once per caption
+
+
+def check_parts(parts: Any) -> None:
+    """``parts.text_encoder`` (umT5) may only be frozen: a one-line error otherwise."""
+    if parts is None:
+        return
+    for name in FROZEN_ONLY:
+        mode = parts.mode(name)
+        if mode != "frozen":
+            raise ValueError(
+                f"parts.{name}: {mode}, but the wan family trains umT5 frozen only; set "
+                f"parts.{name}: frozen (and train parts.transformer)"
+            )
+
+
+@register_backbone("wan")
+def build_wan_backbone(config: Any) -> WanBackbone:
+    """Wan 2.1 of ``config.model``: a preset or a diffusers folder."""
+    model = config.model
+    options = SPEC.read_options(model.options, "wan")
+    check_parts(getattr(config, "parts", None))  # sampling builds from the model section alone
+    if model.path is not None:
+        components = load_wan_folder(model.path, options.text_length)
+    else:
+        components = PRESETS[model.preset](model.init_seed, options.text_length or MAX_TEXT_LENGTH)
+    if options.transformer is not None:  # a single transformer file (original layout)
+        from impasto.models.wan.single_file import load_transformer_file
+
+        load_transformer_file(options.transformer, components.transformer)
+    # the length the tokenizer pads to: the option, or the folder's own (load_wan_folder)
+    options = options.model_copy(update={"text_length": components.tokenizer.model_max_length})
+    if model.vae is not None:  # another Wan 2.1 VAE folder (model.vae)
+        from impasto.models.video_autoencoder import load_video_vae
+
+        components.vae = load_video_vae(model.vae)
+    return WanBackbone(components, options)
+
+
+register_family("wan")(SPEC)

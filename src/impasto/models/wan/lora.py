@@ -1,0 +1,150 @@
+"""Exporting a Wan 2.1 LoRA, from Python (:func:`save_wan_lora`, a trained backbone) or from
+``impasto export RUN --format lora-diffusers | lora-comfyui`` (:data:`LORA_EXPORTS`, the
+checkpoint's adapters, un-merged, through :mod:`impasto.export.family`):
+
+- ``lora-diffusers``: the diffusers/PEFT layout (``OUT/pytorch_lora_weights.safetensors``,
+  ``transformer.blocks.N.attn1.to_q.lora_A.weight`` ...), written by diffusers' own
+  ``WanPipeline.save_lora_weights``, which ``WanPipeline.load_lora_weights`` loads;
+- ``lora-comfyui``: one ``.safetensors`` in Wan's original module names under
+  ``diffusion_model.`` (``diffusion_model.blocks.N.self_attn.q.lora_A.weight``, ``cross_attn``,
+  ``ffn.0`` / ``ffn.2``), the layout diffusion-pipe writes: ComfyUI's LoRA loader maps every
+  key (``comfy/lora.py``, ``model_lora_keys_unet``'s generic map: ``diffusion_model.<name>``
+  for each weight ``diffusion_model.<name>.weight`` of the model; it maps no key of the
+  diffusers layout for Wan), and ``WanPipeline.load_lora_weights`` converts it too.
+
+The LoRA scale alpha/rank is folded into the ``lora_B`` weights (the saved LoRA config's alpha
+set to its rank; no ``.alpha`` tensor), as the FLUX and SD3 exports do, so every loader
+applies the trained strength. Kinds other than plain LoRA (DoRA, LoHa, LoKr) are refused with
+one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import Tensor
+
+from impasto.models.flux.lora import LORA_FILE, adapter_state
+from impasto.models.single_file.stream import write_safetensors
+from impasto.models.wan.backbone import WanBackbone
+
+EXPORTED_PARTS = ("transformer",)  # umT5 trains frozen only
+IMPLEMENTATION = "https://github.com/Wan-Video/Wan2.1"
+
+# diffusers' module name inside a block → Wan's original (Wan-AI's wan/modules/model.py,
+# ComfyUI's comfy/ldm/wan/model.py), for the layers a LoRA adapts
+ORIGINAL_LAYERS = {
+    **{f"attn1.{ours}": f"self_attn.{theirs}" for ours, theirs in
+       (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"))},
+    **{f"attn2.{ours}": f"cross_attn.{theirs}" for ours, theirs in
+       (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"))},
+    "ffn.net.0.proj": "ffn.0",
+    "ffn.net.2": "ffn.2",
+}  # fmt: skip
+
+
+def _save_diffusers(root: Path, adapter: tuple[dict, dict]) -> Path:
+    from diffusers import WanPipeline
+
+    root.mkdir(parents=True, exist_ok=True)
+    WanPipeline.save_lora_weights(
+        str(root), transformer_lora_layers=adapter[0],
+        transformer_lora_adapter_metadata=adapter[1], safe_serialization=True,
+    )  # fmt: skip
+    return root / LORA_FILE
+
+
+def save_wan_lora(backbone: WanBackbone, out: str | Path) -> Path:
+    """Write the transformer's adapter to the folder ``out`` in diffusers' Wan LoRA layout;
+    returns the weights file."""
+    adapter = adapter_state(backbone.denoiser(), "transformer")
+    if adapter is None:
+        raise ValueError("no adapter to export: the run trained no part with lora")
+    return _save_diffusers(Path(out), adapter)
+
+
+def original_key(key: str) -> str:
+    """A peft key of the transformer (``blocks.0.attn1.to_q.lora_A.weight``) → Wan's original
+    name under ``diffusion_model.`` (``diffusion_model.blocks.0.self_attn.q.lora_A.weight``)."""
+    module, _, suffix = key.partition(".lora_")
+    blocks, index, layer = module.split(".", 2)
+    plain = suffix in ("A.weight", "B.weight")
+    if blocks != "blocks" or layer not in ORIGINAL_LAYERS or not plain:
+        raise ValueError(f"export: {key} is not a plain LoRA weight of a Wan block's linear layer")
+    return f"diffusion_model.blocks.{index}.{ORIGINAL_LAYERS[layer]}.lora_{suffix}"
+
+
+def to_comfyui(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The transformer's LoRA weights (scale folded in) → the ``lora-comfyui`` entries."""
+    return {original_key(key): tensor.contiguous() for key, tensor in state.items()}
+
+
+# -- impasto export --format lora-* (FamilySpec.lora_exports) --------------------------------
+def wan_metadata(config: Any, metadata: dict[str, str]) -> dict[str, str]:
+    """``metadata`` (an SDXL-shaped LoRA header) with Wan's values."""
+    return {
+        **metadata,
+        "modelspec.architecture": "wan-2.1-t2v/lora",
+        "modelspec.implementation": IMPLEMENTATION,
+        "ss_base_model_version": "wan21",
+        "ss_discrete_flow_shift": repr(float(config.objective.flow_shift)),
+        "ss_model_prediction_type": "raw",
+        "impasto.lora_alpha_in_weights": "true",
+    }
+
+
+def _scaled(config: Any, states: dict[str, dict[str, Tensor]]) -> tuple[dict, int]:
+    for part in states:
+        if part not in EXPORTED_PARTS:
+            raise ValueError(f"export: parts.{part} takes no adapter in the wan family")
+    lora = config.lora
+    rank, alpha = lora.rank, float(lora.rank if lora.alpha is None else lora.alpha)
+    state = states.get("transformer")
+    if not state:
+        raise ValueError("export: the run trained no transformer adapter (parts.transformer)")
+    scaled = {
+        key: tensor * (alpha / rank) if key.endswith("lora_B.weight") else tensor
+        for key, tensor in state.items()
+    }
+    return scaled, rank
+
+
+def write_lora_diffusers(
+    config: Any, states: dict[str, dict[str, Tensor]], out: Path, dtype: torch.dtype,
+    metadata: dict[str, str],
+) -> Path:  # fmt: skip
+    """``impasto export --format lora-diffusers``: ``OUT/pytorch_lora_weights.safetensors``
+    (module docstring) in ``dtype``, written by ``WanPipeline.save_lora_weights``, then given
+    the run's header."""
+    scaled, rank = _scaled(config, states)
+    modules = sorted({key.partition(".lora_")[0] for key in scaled})
+    lora_config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules)
+    file = _save_diffusers(Path(out), (scaled, lora_config.to_dict()))
+    with safe_open(str(file), "pt") as handle:
+        own = handle.metadata() or {}
+    header = {**own, **wan_metadata(config, metadata)}
+    write_safetensors(file, load_file(str(file)), dtype=dtype, metadata=header)
+    return file
+
+
+def write_lora_comfyui(
+    config: Any, states: dict[str, dict[str, Tensor]], out: Path, dtype: torch.dtype,
+    metadata: dict[str, str],
+) -> Path:  # fmt: skip
+    """``impasto export --format lora-comfyui``: one ``.safetensors`` (module docstring)."""
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"export: {out}: a ComfyUI LoRA is one file; give a .safetensors name")
+    scaled, _ = _scaled(config, states)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out, to_comfyui(scaled), dtype=dtype, metadata=wan_metadata(config, metadata))
+    return out
+
+
+LORA_EXPORTS = {"lora-diffusers": write_lora_diffusers, "lora-comfyui": write_lora_comfyui}
+"""``impasto export --format`` → writer of a Wan LoRA run's adapters."""
