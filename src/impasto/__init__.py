@@ -13,7 +13,10 @@ if TYPE_CHECKING:
     from impasto.config import Config
     from impasto.train.trainer import TrainResult
 
+from impasto.quiet import quiet_dependency_noise
 from impasto.version import __version__
+
+quiet_dependency_noise()  # before any dependency logs at import (impasto.quiet)
 
 _API = ("build_config", "load_config")
 
