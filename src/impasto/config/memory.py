@@ -53,7 +53,7 @@ class MemoryConfig(Section):
         description="weights nothing trains: frozen text encoders and the base weights under "
         "LoRA adapters (bf16 halves them: SDXL's UNet 10.3 → 5.1 GB; needs "
         "train.mixed_precision: bf16); float8 or int8: the linear base weights under LoRA in "
-        "one byte each, torchao weight-only (FLUX.1-dev's transformer 44 → 11 GiB; "
+        "one byte each, torchao weight-only (a 12 B transformer's 44 → 11 GiB; "
         'pip install "impasto[quant]")',
     )
 

@@ -1,6 +1,6 @@
 """``memory.frozen_dtype: float8 | int8``: the frozen base weights under LoRA adapters held in one
-byte per weight with torchao's weight-only quantization (issue #33: a FLUX.1-dev LoRA on one
-24 GB card).
+byte per weight with torchao's weight-only quantization (issue #33: a LoRA of a 12 B
+transformer on one 24 GB card).
 
 Every ``nn.Linear`` of a part that trains as an adapter (LoRA, DoRA, LoHa, LoKr) whose weight
 does not train is quantized in place by ``torchao.quantization.quantize_``: the base layer inside
@@ -85,7 +85,7 @@ def check_quantized_base(config: Config, device: torch.device) -> None:
             f"{option}: memory.offload_blocks streams weights through pinned buffers "
             f"(empty_like, copy_) that torchao's quantized tensors do not implement on "
             f"{device.type}; set memory.offload_blocks: false (a float8 base already holds "
-            "FLUX.1-dev's transformer in 11 GiB)"
+            "a 12 B transformer in 11 GiB)"
         )
 
 
