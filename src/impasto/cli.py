@@ -377,7 +377,8 @@ def _add_export(sub: Subcommands) -> None:
         "--format",
         required=True,
         help="a format of the run's model family: diffusers | single-file | lora-kohya | "
-        "lora-diffusers (SDXL), folder (our diffusion transformer)",
+        "lora-diffusers (SDXL and the released transformer families; some: lora-comfyui), "
+        "folder (our diffusion transformer); docs/formats.md",
     )
     export.add_argument(
         "--out", required=True, help="output folder (diffusers, folder) or .safetensors file"
