@@ -6,7 +6,7 @@ import importlib.metadata
 import platform
 import shutil
 
-OPTIONAL = ("wandb", "bitsandbytes", "datasets", "s3fs", "gcsfs")
+OPTIONAL = ("wandb", "bitsandbytes", "datasets", "s3fs", "gcsfs", "av", "torchao")
 REQUIRED = (
     "torch", "diffusers", "transformers", "peft", "safetensors", "pydantic", "tensorboard",
     "pyarrow", "fsspec", "braceexpand",
