@@ -217,6 +217,8 @@ def test_cache_command_errors_and_config_checks(tmp_path, folder, capsys) -> Non
         build_config(bad)
 
 
+@pytest.mark.slow  # a torchrun launch (13 s)
+@pytest.mark.distributed
 def test_torchrun_two_ranks_split_the_fill(tmp_path, folder) -> None:
     raw = raw_config(tmp_path, folder)
     path = tmp_path / "config.yaml"

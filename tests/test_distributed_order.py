@@ -104,6 +104,8 @@ def torchrun(world: int, data: Path, out: Path, steps: int, state: Path | None =
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # a torchrun launch (43 s)
+@pytest.mark.distributed
 def test_torchrun_two_ranks_resume_exactly_on_two_or_one(tmp_path: Path) -> None:
     data = tmp_path / "images"
     write_images(data)

@@ -69,6 +69,7 @@ def group_gone(pgid: int, timeout: float = 15.0) -> bool:
     return False
 
 
+@pytest.mark.slow  # a child run with loader workers, signalled, then resumed (30 s)
 def test_sigterm_to_the_process_group_with_workers_saves_and_resumes_bitwise(tmp_path, demo_folder):
     config, straight_dir = make_config(tmp_path, demo_folder, "straight")
     assert run(config).returncode == 0

@@ -55,6 +55,7 @@ def raw_config(data: Path, run_dir: Path, max_steps: int = 10, **train: Any) -> 
     }
 
 
+@pytest.mark.slow  # two trainer processes (28 s)
 def test_a_second_trainer_on_a_run_directory_stops_and_changes_nothing(tmp_path, demo_folder):
     run_dir = tmp_path / "run"
     first_config = write_config(tmp_path / "a.yaml", raw_config(demo_folder, run_dir, 100000))
