@@ -23,7 +23,7 @@ from impasto.models.wan.files import load_wan_folder, save_wan_folder, wan_pipel
 from impasto.models.wan.options import WanOptions
 from impasto.models.wan.sampling import generate_wan, generate_wan_latents, wan_ladder
 from impasto.objectives.objective import Objective
-from impasto.sampling import OwnSampling
+from impasto.sampling.process import SamplingRequest, family_plan, sampling_plan
 from impasto.train.methods.denoise import denoising_loss
 
 TEXT_LENGTH = 16  # umT5 tokens: short, so each test runs in a second
@@ -115,7 +115,7 @@ def test_an_image_is_a_one_frame_clip(wan):
     torch.testing.assert_close(image, clip[:, :, 0], rtol=0, atol=0)
     assert wan.latent_shape(32, 48) == (16, 4, 6)
     assert wan.latent_shape(32, 48, frames=9) == (16, 3, 4, 6)
-    assert wan.sequence_length(32, 48, frames=9) == 3 * 2 * 3
+    assert wan.sequence_length(32, 48, frames=9) == 18  # 3 latent frames of 2x3 patches
     with pytest.raises(ValueError, match=r"needs 4n \+ 1 frames .* e\.g\. 5 or 9"):
         wan.latent_shape(32, 32, frames=8)
     with pytest.raises(ValueError, match=r"multiples of 16 .* got 40x32"):
@@ -173,7 +173,15 @@ def test_the_ladder_is_unipcs_with_flow_shift(wan):
     shifted = SHIFT * base / (1 + (SHIFT - 1) * base)
     torch.testing.assert_close(ts, torch.cat([shifted, torch.zeros(1)]).float())
     torch.testing.assert_close(timesteps, (shifted * 1000).floor().float(), rtol=0, atol=1.0)
-    assert isinstance(wan, OwnSampling)  # impasto sample walks this ladder
+    # impasto sample's generic plan (Euler, shift 1 asked) walks this ladder, not its own
+    request = SamplingRequest(
+        sampler="euler", num_steps=4, prediction_type="flow", alphas_cumprod=torch.ones(1000)
+    )
+    generic = sampling_plan(request)
+    plan = family_plan(generic, wan, "flow", 4, 32, 32)
+    assert not torch.allclose(generic.sigmas.float(), ts)
+    torch.testing.assert_close(plan.sigmas, ts, rtol=0, atol=0)
+    torch.testing.assert_close(plan.timesteps, timesteps, rtol=0, atol=0)
 
 
 def test_diffusers_folder_round_trips(wan, tmp_path):
