@@ -9,6 +9,7 @@ and the way out; ``layout`` is the family's sentence of what the folder should h
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +127,47 @@ def check_folder(root: Path, family_files: str, transformer_setting: str, layout
         )
     if not root.is_dir():
         raise ValueError(f"{SETTING} {root}: not a folder; {layout}")
+
+
+class TransformerBackbone:
+    """The networks part of the backbone protocol, the same for every released-transformer
+    family: ``components`` (a dataclass with ``transformer``, ``vae`` and ``parts()``) and the
+    family's ``options`` (``options_type()`` when None). A family's class sets ``family``,
+    ``options_type`` and ``probe`` (the transformer's layer whose weight gives its device and
+    dtype) and adds its conditioning, latents and sampling."""
+
+    family: str
+    options_type: type
+    probe: str = "proj_out"
+
+    def __init__(self, components: Any, options: Any = None) -> None:
+        self.components = components
+        self.options = options or self.options_type()
+
+    def parts(self) -> dict[str, torch.nn.Module]:
+        return self.components.parts()
+
+    def frozen(self) -> dict[str, torch.nn.Module]:
+        return {"vae": self.components.vae}
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return self.parts() | self.frozen()
+
+    def denoiser(self) -> torch.nn.Module:
+        return self.components.transformer
+
+    def with_denoiser(self, denoiser: torch.nn.Module) -> Any:
+        return type(self)(replace(self.components, transformer=denoiser), self.options)
+
+    @property
+    def device(self) -> torch.device:
+        return self.components.transformer.get_submodule(self.probe).weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.components.transformer.get_submodule(self.probe).weight.dtype
+
+    def to(self, device: torch.device | str) -> Any:
+        for module in self.modules().values():
+            module.to(device)
+        return self

@@ -20,10 +20,10 @@ from impasto.models import autoencoder
 from impasto.models.backbone import Batch, adapter_layers
 from impasto.models.components import TEXT_TARGETS, PromptEmbeds
 from impasto.models.flux import layout
-from impasto.models.flux.components import FluxComponents
 from impasto.models.flux.ladder import ladder
 from impasto.models.flux.options import DEFAULT_GUIDANCE, FluxOptions
 from impasto.models.flux.text import encode_text, tokenizer_identity
+from impasto.models.transformer_families import TransformerBackbone
 from impasto.models.video_autoencoder import FrameReader
 
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
@@ -63,43 +63,13 @@ class FluxConditioning:
         )
 
 
-class FluxBackbone:
+class FluxBackbone(TransformerBackbone):
     """FLUX.1's transformer, VAE, CLIP-L and T5 behind the backbone protocol."""
 
     family = "flux"
 
-    def __init__(self, components: FluxComponents, options: FluxOptions | None = None) -> None:
-        self.components = components
-        self.options = options or FluxOptions()
-
-    # -- networks -------------------------------------------------------------------------
-    def parts(self) -> dict[str, nn.Module]:
-        return self.components.parts()
-
-    def frozen(self) -> dict[str, nn.Module]:
-        return {"vae": self.components.vae}
-
-    def modules(self) -> dict[str, nn.Module]:
-        return self.parts() | self.frozen()
-
-    def denoiser(self) -> nn.Module:
-        return self.components.transformer
-
-    def with_denoiser(self, denoiser: nn.Module) -> FluxBackbone:
-        return FluxBackbone(replace(self.components, transformer=denoiser), self.options)
-
-    @property
-    def device(self) -> torch.device:
-        return self.components.transformer.x_embedder.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.components.transformer.x_embedder.weight.dtype
-
-    def to(self, device: torch.device | str) -> FluxBackbone:
-        for module in self.modules().values():
-            module.to(device)
-        return self
+    options_type = FluxOptions
+    probe = "x_embedder"
 
     def blocks(self) -> dict[str, nn.Module]:
         transformer = self.components.transformer

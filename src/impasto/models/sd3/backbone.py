@@ -10,7 +10,7 @@ samplers work unchanged. The transformer is called as diffusers'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -18,9 +18,9 @@ from torch import Tensor, nn
 from impasto.models import autoencoder
 from impasto.models.backbone import Batch, adapter_layers
 from impasto.models.components import TEXT_TARGETS, PromptEmbeds
-from impasto.models.sd3.components import Sd3Components
 from impasto.models.sd3.options import Sd3Options
 from impasto.models.sd3.text import ENCODING_RULE, encode_text
+from impasto.models.transformer_families import TransformerBackbone
 from impasto.models.video_autoencoder import FrameReader
 
 BLOCK_LIST = "transformer_blocks"
@@ -59,7 +59,7 @@ class Sd3Conditioning:
         )
 
 
-class Sd3Backbone:
+class Sd3Backbone(TransformerBackbone):
     """SD3.5's transformer, VAE, CLIP-L, CLIP-G and T5 behind the backbone protocol."""
 
     family = "sd3"
@@ -67,38 +67,7 @@ class Sd3Backbone:
     # guidance input (impasto.inference writes "CFG scale" for it, not "Distilled CFG Scale")
     classifier_free_guidance = True
 
-    def __init__(self, components: Sd3Components, options: Sd3Options | None = None) -> None:
-        self.components = components
-        self.options = options or Sd3Options()
-
-    # -- networks -------------------------------------------------------------------------
-    def parts(self) -> dict[str, nn.Module]:
-        return self.components.parts()
-
-    def frozen(self) -> dict[str, nn.Module]:
-        return {"vae": self.components.vae}
-
-    def modules(self) -> dict[str, nn.Module]:
-        return self.parts() | self.frozen()
-
-    def denoiser(self) -> nn.Module:
-        return self.components.transformer
-
-    def with_denoiser(self, denoiser: nn.Module) -> Sd3Backbone:
-        return Sd3Backbone(replace(self.components, transformer=denoiser), self.options)
-
-    @property
-    def device(self) -> torch.device:
-        return self.components.transformer.proj_out.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.components.transformer.proj_out.weight.dtype
-
-    def to(self, device: torch.device | str) -> Sd3Backbone:
-        for module in self.modules().values():
-            module.to(device)
-        return self
+    options_type = Sd3Options
 
     def blocks(self) -> dict[str, nn.Module]:
         blocks = getattr(self.components.transformer, BLOCK_LIST)

@@ -9,7 +9,7 @@ time ``t·T`` (T = 1000) and the umT5 tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from impasto.models import autoencoder
 from impasto.models.backbone import Batch, adapter_layers
 from impasto.models.components import PromptEmbeds
+from impasto.models.transformer_families import TransformerBackbone
 from impasto.models.video_autoencoder import FrameReader, check_num_frames
-from impasto.models.wan.components import WanComponents
 from impasto.models.wan.options import WanOptions
 from impasto.models.wan.text import encode_text, tokenizer_identity
 
@@ -50,44 +50,13 @@ class WanConditioning:
         return WanConditioning(torch.cat([self.prompt_embeds, other.prompt_embeds]))
 
 
-class WanBackbone:
+class WanBackbone(TransformerBackbone):
     """Wan 2.1's transformer, video VAE and umT5 behind the backbone protocol (and the
     optional :class:`~impasto.sampling.process.OwnSampling`: its scheduler's ladder)."""
 
     family = "wan"
 
-    def __init__(self, components: WanComponents, options: WanOptions | None = None) -> None:
-        self.components = components
-        self.options = options or WanOptions()
-
-    # -- networks -------------------------------------------------------------------------
-    def parts(self) -> dict[str, nn.Module]:
-        return self.components.parts()
-
-    def frozen(self) -> dict[str, nn.Module]:
-        return {"vae": self.components.vae}
-
-    def modules(self) -> dict[str, nn.Module]:
-        return self.parts() | self.frozen()
-
-    def denoiser(self) -> nn.Module:
-        return self.components.transformer
-
-    def with_denoiser(self, denoiser: nn.Module) -> WanBackbone:
-        return WanBackbone(replace(self.components, transformer=denoiser), self.options)
-
-    @property
-    def device(self) -> torch.device:
-        return self.components.transformer.proj_out.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.components.transformer.proj_out.weight.dtype
-
-    def to(self, device: torch.device | str) -> WanBackbone:
-        for module in self.modules().values():
-            module.to(device)
-        return self
+    options_type = WanOptions
 
     def blocks(self) -> dict[str, nn.Module]:
         blocks = getattr(self.components.transformer, BLOCK_LIST)
