@@ -100,7 +100,9 @@ def test_schedule_errors_list_valid_names() -> None:
         sampling_timesteps(1, 1000, "linspace")
     with pytest.raises(ValueError, match="valid samplers: \\['ddim', 'dpmpp_2m', "):
         get_sampler("heun")
-    assert sorted(SAMPLERS) == ["ddim", "dpmpp_2m", "dpmpp_2m_karras", "euler", "euler_ancestral"]
+    assert sorted(SAMPLERS) == [
+        "ddim", "dpmpp_2m", "dpmpp_2m_karras", "euler", "euler_ancestral", "unipc"
+    ]  # fmt: skip
 
 
 # --- samplers, predictions, guidance (pure functions) ----------------------------------------

@@ -23,6 +23,7 @@ from impasto.models.wan.files import load_wan_folder, save_wan_folder, wan_pipel
 from impasto.models.wan.options import WanOptions
 from impasto.models.wan.sampling import generate_wan, generate_wan_latents, wan_ladder
 from impasto.objectives.objective import Objective
+from impasto.sampling.generate import generate_latents
 from impasto.sampling.process import SamplingRequest, family_plan, sampling_plan
 from impasto.train.methods.denoise import denoising_loss
 
@@ -182,6 +183,28 @@ def test_the_ladder_is_unipcs_with_flow_shift(wan):
     assert not torch.allclose(generic.sigmas.float(), ts)
     torch.testing.assert_close(plan.sigmas, ts, rtol=0, atol=0)
     torch.testing.assert_close(plan.timesteps, timesteps, rtol=0, atol=0)
+
+
+def test_unipc_is_the_familys_sampler_and_euler_stays_available_by_name(wan):
+    """No sampler asked: UniPC, the pipeline's (test above); ``euler`` asked: Euler on the
+    same ladder, another result; a scheduler config of another UniPC: one line."""
+    options = {"num_steps": 3, "guidance_scale": 3.0, "seed": 1, "height": 32, "width": 32}
+    pipe = wan_pipeline(wan.components)
+    theirs = pipe(
+        "a dog", num_frames=5, num_inference_steps=3, guidance_scale=3.0, height=32, width=32,
+        generator=[torch.Generator().manual_seed(1)], output_type="latent",
+        max_sequence_length=TEXT_LENGTH,
+    ).frames  # fmt: skip
+    assert wan.own_sampler == "unipc"
+    unipc = generate_latents(wan, ["a dog"], frames=5, prediction_type="flow", **options)
+    torch.testing.assert_close(unipc, theirs, rtol=1e-5, atol=1e-6)
+    euler = generate_wan_latents(wan, ["a dog"], frames=5, sampler="euler", **options)
+    assert (euler - theirs).abs().max() > 1e-3
+    other = copy.copy(wan.components)
+    other.scheduler_config = {**wan.components.scheduler_config, "solver_order": 3}
+    with pytest.raises(ValueError, match=r"solver_order=3; .*--sampler euler"):
+        generate_latents(WanBackbone(other, wan.options), ["a dog"], frames=5,
+                         prediction_type="flow", **options)  # fmt: skip
 
 
 def test_diffusers_folder_round_trips(wan, tmp_path):

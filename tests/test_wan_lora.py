@@ -153,14 +153,30 @@ def comfy_wan_key_map(num_blocks: int) -> dict[str, str]:
 
 
 def comfy_patches(lora: dict[str, torch.Tensor], key_map: dict[str, str]):
-    """``(patched weight key → (up, down)), the tensors nothing read``, as LoRAAdapter.load."""
+    """``(patched weight key → (up·alpha/rank, down)), the tensors nothing read``, as
+    LoRAAdapter.load reads "<x>.lora_up.weight" / "<x>.lora_down.weight" (kohya) or
+    "<x>.lora_B.weight" / "<x>.lora_A.weight", scaled by "<x>.alpha" / rank where it is."""
     loaded, read = {}, set()
     for name, target in key_map.items():
-        up, down = f"{name}.lora_B.weight", f"{name}.lora_A.weight"
-        if up in lora:
-            loaded[target] = (lora[up], lora[down])
-            read |= {up, down}
+        for up, down in ((f"{name}.lora_up.weight", f"{name}.lora_down.weight"),
+                         (f"{name}.lora_B.weight", f"{name}.lora_A.weight")):  # fmt: skip
+            if up in lora:
+                alpha = f"{name}.alpha"
+                scale = lora[alpha].item() / lora[down].shape[0] if alpha in lora else 1.0
+                loaded[target] = (lora[up] * scale, lora[down])
+                read |= {up, down, alpha} & set(lora)
+                break
     return loaded, set(lora) - read
+
+
+def assert_patches_merge(loaded, merged: Path) -> None:
+    """ComfyUI's patches on the base weights equal the merged export's weights."""
+    merged_weights = load_file(str(merged / "transformer" / "diffusion_pytorch_model.safetensors"))
+    base = build_tiny(0, TEXT_LENGTH).transformer.state_dict()
+    for target, (up, down) in loaded.items():
+        block, index, rest = target[len("diffusion_model.") : -len(".weight")].split(".", 2)
+        key = f"{block}.{index}.{DIFFUSERS_NAMES[rest]}.weight"
+        torch.testing.assert_close(base[key] + up @ down, merged_weights[key], rtol=1e-5, atol=1e-6)
 
 
 # diffusers' module → Wan's original (diffusers' scripts/convert_wan_to_diffusers.py)
@@ -188,12 +204,7 @@ def test_lora_comfyui_export_maps_every_tensor_and_patches_the_merged_weights(
                  str(diffusers_dir), "--dtype", "fp32"]) == 0  # fmt: skip
     diffusers_lora = load_file(str(next(diffusers_dir.glob("*.safetensors"))))
     assert comfy_patches(diffusers_lora, comfy_wan_key_map(2)) == ({}, set(diffusers_lora))
-    merged_weights = load_file(str(merged / "transformer" / "diffusion_pytorch_model.safetensors"))
-    base = build_tiny(0, TEXT_LENGTH).transformer.state_dict()
-    for target, (up, down) in loaded.items():
-        block, index, rest = target[len("diffusion_model.") : -len(".weight")].split(".", 2)
-        key = f"{block}.{index}.{DIFFUSERS_NAMES[rest]}.weight"
-        torch.testing.assert_close(base[key] + up @ down, merged_weights[key], rtol=1e-5, atol=1e-6)
+    assert_patches_merge(loaded, merged)
 
     # and WanPipeline.load_lora_weights converts the same file to the same samples
     from impasto.checkpoint.trained import load_trained
@@ -203,6 +214,57 @@ def test_lora_comfyui_export_maps_every_tensor_and_patches_the_merged_weights(
     pipe.load_lora_weights(str(file))
     ours, theirs = _sample_both(backbone, pipe)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_kohya_export_is_musubi_tuners_layout_for_comfyui_and_diffusers(
+    lora_run, merged, tmp_path
+):
+    from safetensors import safe_open
+
+    from impasto.checkpoint.trained import load_trained
+    from impasto.cli import main
+
+    file = tmp_path / "wan-kohya.safetensors"
+    assert main(["export", str(lora_run.run_dir), "--format", "lora-kohya", "--out",
+                 str(file), "--dtype", "fp32"]) == 0  # fmt: skip
+    lora = load_file(str(file))
+    name = "lora_unet_blocks_0_self_attn_q"
+    assert {f"{name}.lora_down.weight", f"{name}.lora_up.weight", f"{name}.alpha"} <= set(lora)
+    assert (
+        "lora_unet_blocks_1_cross_attn_o.alpha" in lora and "lora_unet_blocks_1_ffn_2.alpha" in lora
+    )
+    assert len(lora) == 2 * 10 * 3 and lora[f"{name}.alpha"].item() == 8.0  # lora.alpha, rank 4
+    assert lora[f"{name}.lora_down.weight"].shape == (4, 24)
+    loaded, ignored = comfy_patches(lora, comfy_wan_key_map(2))
+    assert ignored == set() and len(loaded) == 2 * 10
+    assert_patches_merge(loaded, merged)  # so the alpha/rank = 2 scale was applied once
+    with safe_open(str(file), "pt") as handle:
+        header = handle.metadata()
+    assert header["ss_network_module"] == "networks.lora_wan"
+    assert header["impasto.lora_alpha_in_weights"] == "false"
+    # diffusers' musubi-tuner converter (_convert_musubi_wan_lora_to_diffusers) reads it too
+    _, backbone = load_trained(lora_run.last_checkpoint)
+    pipe = wan_pipeline(build_tiny(0, TEXT_LENGTH))
+    pipe.load_lora_weights(str(file))
+    ours, theirs = _sample_both(backbone, pipe)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_kohya_names_refuse_what_is_not_a_blocks_plain_lora():
+    from impasto.models.wan.lora import to_kohya
+
+    down, up = torch.ones(2, 3), torch.ones(5, 2)
+    keys = to_kohya({"blocks.3.ffn.net.0.proj.lora_A.weight": down,
+                     "blocks.3.ffn.net.0.proj.lora_B.weight": up}, 4.0)  # fmt: skip
+    assert set(keys) == {
+        "lora_unet_blocks_3_ffn_0.lora_down.weight",
+        "lora_unet_blocks_3_ffn_0.lora_up.weight",
+        "lora_unet_blocks_3_ffn_0.alpha",
+    }
+    for key in ("proj_out.lora_A.weight", "blocks.0.attn1.to_q.lora_magnitude_vector",
+                "blocks.0.norm2.lora_A.weight"):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^export: .* is not a plain LoRA weight"):
+            to_kohya({key: down}, 4.0)
 
 
 def _sample_grid(model: Path, out: Path) -> np.ndarray:

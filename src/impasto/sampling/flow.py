@@ -20,11 +20,13 @@ from torch import Tensor
 from impasto.objectives import shift_flow_times
 from impasto.sampling.guidance import guided_output
 from impasto.sampling.samplers import Denoiser, SampleFn, sample_euler
+from impasto.sampling.unipc import sample_flow_unipc
 
 Conditioning = TypeVar("Conditioning")
 
 # name → sampler of a flow model; the same signature as ``samplers.SAMPLERS``' functions.
-FLOW_SAMPLERS: dict[str, SampleFn] = {"euler": sample_euler}
+# UniPC: diffusers' UniPCMultistepScheduler(use_flow_sigmas=True, flow_prediction).
+FLOW_SAMPLERS: dict[str, SampleFn] = {"euler": sample_euler, "unipc": sample_flow_unipc}
 
 
 def get_flow_sampler(name: str) -> SampleFn:

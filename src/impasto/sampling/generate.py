@@ -30,7 +30,13 @@ from torch import Tensor, nn
 
 from impasto.objectives import alphas_cumprod_from_betas, scaled_linear_betas
 from impasto.sampling.anneal import Annealing, anneal_weights, annealed_forward
-from impasto.sampling.process import OwnSampling, SamplingRequest, family_plan, sampling_plan
+from impasto.sampling.process import (
+    OwnSampling,
+    SamplingRequest,
+    default_sampler,
+    family_plan,
+    sampling_plan,
+)
 from impasto.sampling.samplers import StepCallback
 
 
@@ -131,7 +137,7 @@ def generate_latents(
     num_steps: int = 30,
     guidance_scale: float = 5.0,
     guidance_rescale: float = 0.0,
-    sampler: str = "euler",
+    sampler: str | None = None,
     seed: int = 0,
     height: int = 64,
     width: int = 64,
@@ -171,7 +177,7 @@ def generate_latents(
     alphas_cumprod = sdxl_alphas_cumprod() if alphas_cumprod is None else alphas_cumprod
     plan = sampling_plan(
         SamplingRequest(
-            sampler=sampler,
+            sampler=default_sampler(backbone) if sampler is None else sampler,
             num_steps=num_steps,
             prediction_type=prediction_type,
             alphas_cumprod=alphas_cumprod,
@@ -225,8 +231,9 @@ def generate(backbone: Any, prompts: list[str], **options: Any) -> Tensor:
     ``negative_prompt`` is one string for all prompts or one per prompt (the empty string is
     encoded, see the module docstring); ``guidance_scale`` 1 runs the conditional branch only;
     ``guidance_rescale`` is φ of Lin et al. 2023 (0 = off). ``sampler`` is a key of
-    ``SAMPLERS``, ``spacing`` of ``SPACINGS``, ``prediction_type`` of ``PREDICTION_TYPES``
-    or ``"flow"`` (then ``sampler`` is a key of ``FLOW_SAMPLERS``, the t ladder is shifted by
+    ``SAMPLERS`` (None: the family's own, ``process.default_sampler``; most
+    families: Euler), ``spacing`` of ``SPACINGS``, ``prediction_type`` of ``PREDICTION_TYPES`` or
+    ``"flow"`` (then ``sampler`` is a key of ``FLOW_SAMPLERS``, the t ladder is shifted by
     ``flow_shift``, scaled to the image size with ``flow_shift_resolution``, and ``spacing`` is
     unused). ``alphas_cumprod`` ``[T]`` is the training schedule (default SDXL's; for flow
     only its length T is read, the UNet getting t·T). ``anneal`` (an

@@ -129,7 +129,8 @@ class OwnSampling(Protocol):
     where the generic sampler's settings do not (a released flow model whose ladder and
     guidance are its own). ``impasto.sampling`` checks ``isinstance(backbone, OwnSampling)``
     and then uses both methods, whatever the run's ``objective.flow_shift`` and
-    ``sample.guidance_scale`` would give."""
+    ``sample.guidance_scale`` would give. A backbone may also name the sampler it uses when
+    none is asked (:func:`default_sampler`)."""
 
     def sampling_ladder(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]:
         """``(timesteps [n], ts [n + 1])`` float32 of a flow model for an H×W image: the
@@ -140,6 +141,17 @@ class OwnSampling(Protocol):
         guidance-distilled model: one forward per step, no classifier-free guidance), or
         ``condition`` unchanged for a model sampled without guidance; None: the model uses
         classifier-free guidance at ``guidance_scale``."""
+
+
+DEFAULT_SAMPLER = "euler"  # the sampler when none is asked and the family names none
+
+
+def default_sampler(backbone: Any) -> str:
+    """The sampler of a request that names none: the one the backbone's family samples with,
+    its optional ``own_sampler`` attribute (``"unipc"`` for a model whose diffusers pipeline
+    samples with ``UniPCMultistepScheduler``), else Euler. A sampler asked by name is always
+    the one used."""
+    return getattr(backbone, "own_sampler", None) or DEFAULT_SAMPLER
 
 
 def family_plan(

@@ -34,6 +34,7 @@ from impasto.sampling.schedules import (
     sampling_timesteps,
     sigmas_for_timesteps,
 )
+from impasto.sampling.unipc import sample_unipc
 
 Denoiser = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x, sigma, timestep) -> x0 estimate
 StepCallback = Callable[[int, Tensor, Tensor], None]  # (step index, new x, denoised)
@@ -236,6 +237,10 @@ SAMPLERS: dict[str, SamplerSpec] = {
     ),
     "dpmpp_2m_karras": SamplerSpec(
         sample_dpmpp_2m, integer_timesteps=True, final_sigma="zero", karras=True
+    ),
+    # diffusers' UniPCMultistepScheduler spaces its timesteps as DPM-Solver does
+    "unipc": SamplerSpec(
+        sample_unipc, integer_timesteps=True, final_sigma="zero", spacings=DPM_SPACINGS
     ),
 }
 

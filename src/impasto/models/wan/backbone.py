@@ -166,10 +166,18 @@ class WanBackbone(TransformerBackbone):
     # -- sampling (OwnSampling) --------------------------------------------------------------
     def sampling_ladder(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]:
         """``(timesteps [n], ts [n + 1])``: WanPipeline's scheduler's (UniPC on flow sigmas
-        shifted by its ``flow_shift``), for impasto's generic flow samplers."""
+        shifted by its ``flow_shift``), for impasto's flow samplers (UniPC by default)."""
         from impasto.models.wan.sampling import wan_ladder
 
         return wan_ladder(self, num_steps)
+
+    @property
+    def own_sampler(self) -> str:
+        """``"unipc"``, WanPipeline's sampler (``impasto.sampling.process.default_sampler``:
+        the sampler when none is asked)."""
+        from impasto.models.wan.sampling import own_sampler
+
+        return own_sampler(self)
 
     def embedded_guidance(self, condition: WanConditioning, guidance_scale: float) -> None:
         """None: Wan samples with classifier-free guidance (the negative prompt's branch)."""

@@ -1,6 +1,7 @@
 """Exporting a Wan 2.1 LoRA, from Python (:func:`save_wan_lora`, a trained backbone) or from
-``impasto export RUN --format lora-diffusers | lora-comfyui`` (:data:`LORA_EXPORTS`, the
-checkpoint's adapters, un-merged, through :mod:`impasto.export.family`):
+``impasto export RUN --format lora-diffusers | lora-comfyui | lora-kohya``
+(:data:`LORA_EXPORTS`, the checkpoint's adapters, un-merged, through
+:mod:`impasto.export.family`):
 
 - ``lora-diffusers``: the diffusers/PEFT layout (``OUT/pytorch_lora_weights.safetensors``,
   ``transformer.blocks.N.attn1.to_q.lora_A.weight`` ...), written by diffusers' own
@@ -10,12 +11,18 @@ checkpoint's adapters, un-merged, through :mod:`impasto.export.family`):
   ``ffn.0`` / ``ffn.2``), the layout diffusion-pipe writes: ComfyUI's LoRA loader maps every
   key (``comfy/lora.py``, ``model_lora_keys_unet``'s generic map: ``diffusion_model.<name>``
   for each weight ``diffusion_model.<name>.weight`` of the model; it maps no key of the
-  diffusers layout for Wan), and ``WanPipeline.load_lora_weights`` converts it too.
+  diffusers layout for Wan), and ``WanPipeline.load_lora_weights`` converts it too;
+- ``lora-kohya``: one ``.safetensors`` in musubi-tuner's (kohya's) layout,
+  ``lora_unet_blocks_N_self_attn_q.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``
+  (the original name with "_" for "."): ComfyUI maps ``lora_unet_<name>`` for every weight of
+  the model (the same generic map) and applies alpha/rank, and diffusers converts it
+  (``_convert_musubi_wan_lora_to_diffusers``, for LoRA on every linear layer of the blocks).
 
-The LoRA scale alpha/rank is folded into the ``lora_B`` weights (the saved LoRA config's alpha
-set to its rank; no ``.alpha`` tensor), as the FLUX and SD3 exports do, so every loader
-applies the trained strength. Kinds other than plain LoRA (DoRA, LoHa, LoKr) are refused with
-one line.
+The first two fold the LoRA scale alpha/rank into the ``lora_B`` weights (the saved LoRA
+config's alpha set to its rank; no ``.alpha`` tensor), as the FLUX and SD3 exports do, so
+every loader applies the trained strength; ``lora-kohya`` keeps the weights as trained and the
+run's alpha beside them, as musubi-tuner writes them. Kinds other than plain LoRA (DoRA, LoHa,
+LoKr) are refused with one line.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from impasto.models.single_file.stream import write_safetensors
 from impasto.models.wan.backbone import WanBackbone
 
 EXPORTED_PARTS = ("transformer",)  # umT5 trains frozen only
+KOHYA_PREFIX = "lora_unet_"  # musubi-tuner's (kohya's) prefix of the transformer's layers
+KOHYA_NETWORK_MODULE = "networks.lora_wan"  # musubi-tuner's Wan LoRA module
 IMPLEMENTATION = "https://github.com/Wan-Video/Wan2.1"
 
 # diffusers' module name inside a block → Wan's original (Wan-AI's wan/modules/model.py,
@@ -68,15 +77,22 @@ def save_wan_lora(backbone: WanBackbone, out: str | Path) -> Path:
     return _save_diffusers(Path(out), adapter)
 
 
+def _lora_module(key: str) -> tuple[str, str]:
+    """``(Wan's original module, "A" | "B")`` of a peft key of the transformer
+    (``blocks.0.attn1.to_q.lora_A.weight`` → ``blocks.0.self_attn.q``, ``"A"``)."""
+    module, _, suffix = key.partition(".lora_")
+    blocks, _, rest = module.partition(".")
+    index, _, layer = rest.partition(".")
+    if blocks != "blocks" or layer not in ORIGINAL_LAYERS or suffix not in ("A.weight", "B.weight"):
+        raise ValueError(f"export: {key} is not a plain LoRA weight of a Wan block's linear layer")
+    return f"blocks.{index}.{ORIGINAL_LAYERS[layer]}", suffix[0]
+
+
 def original_key(key: str) -> str:
     """A peft key of the transformer (``blocks.0.attn1.to_q.lora_A.weight``) → Wan's original
     name under ``diffusion_model.`` (``diffusion_model.blocks.0.self_attn.q.lora_A.weight``)."""
-    module, _, suffix = key.partition(".lora_")
-    blocks, index, layer = module.split(".", 2)
-    plain = suffix in ("A.weight", "B.weight")
-    if blocks != "blocks" or layer not in ORIGINAL_LAYERS or not plain:
-        raise ValueError(f"export: {key} is not a plain LoRA weight of a Wan block's linear layer")
-    return f"diffusion_model.blocks.{index}.{ORIGINAL_LAYERS[layer]}.lora_{suffix}"
+    module, which = _lora_module(key)
+    return f"diffusion_model.{module}.lora_{which}.weight"
 
 
 def to_comfyui(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -84,34 +100,64 @@ def to_comfyui(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return {original_key(key): tensor.contiguous() for key, tensor in state.items()}
 
 
+def to_kohya(state: dict[str, Tensor], alpha: float) -> dict[str, Tensor]:
+    """The transformer's LoRA weights (unscaled) → the ``lora-kohya`` entries: musubi-tuner's
+    ``lora_unet_<original name, "." as "_">`` with ``.lora_down.weight`` (A),
+    ``.lora_up.weight`` (B) and the run's ``.alpha``."""
+    kohya = {}
+    for key, tensor in state.items():
+        module, which = _lora_module(key)
+        name = KOHYA_PREFIX + module.replace(".", "_")
+        kohya[f"{name}.lora_{'down' if which == 'A' else 'up'}.weight"] = tensor.contiguous()
+        kohya[f"{name}.alpha"] = torch.tensor(alpha)
+    return kohya
+
+
 # -- impasto export --format lora-* (FamilySpec.lora_exports) --------------------------------
-def wan_metadata(config: Any, metadata: dict[str, str]) -> dict[str, str]:
+def wan_metadata(config: Any, metadata: dict[str, str], alpha_in_weights: bool) -> dict[str, str]:
     """``metadata`` (an SDXL-shaped LoRA header) with Wan's values."""
     return {
         **metadata,
         "modelspec.architecture": "wan-2.1-t2v/lora",
         "modelspec.implementation": IMPLEMENTATION,
         "ss_base_model_version": "wan21",
+        "ss_network_module": KOHYA_NETWORK_MODULE,
         "ss_discrete_flow_shift": repr(float(config.objective.flow_shift)),
         "ss_model_prediction_type": "raw",
-        "impasto.lora_alpha_in_weights": "true",
+        "impasto.lora_alpha_in_weights": str(alpha_in_weights).lower(),
     }
 
 
-def _scaled(config: Any, states: dict[str, dict[str, Tensor]]) -> tuple[dict, int]:
+def _transformer_state(
+    config: Any, states: dict[str, dict[str, Tensor]]
+) -> tuple[dict, int, float]:
+    """``(the transformer's peft LoRA weights, rank, alpha)``; a one-line error for another
+    part or none."""
     for part in states:
         if part not in EXPORTED_PARTS:
             raise ValueError(f"export: parts.{part} takes no adapter in the wan family")
-    lora = config.lora
-    rank, alpha = lora.rank, float(lora.rank if lora.alpha is None else lora.alpha)
     state = states.get("transformer")
     if not state:
         raise ValueError("export: the run trained no transformer adapter (parts.transformer)")
+    lora = config.lora
+    return state, lora.rank, float(lora.rank if lora.alpha is None else lora.alpha)
+
+
+def _scaled(config: Any, states: dict[str, dict[str, Tensor]]) -> tuple[dict, int]:
+    state, rank, alpha = _transformer_state(config, states)
     scaled = {
         key: tensor * (alpha / rank) if key.endswith("lora_B.weight") else tensor
         for key, tensor in state.items()
     }
     return scaled, rank
+
+
+def _one_file(out: Path, layout: str) -> Path:
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"export: {out}: a {layout} LoRA is one file; give a .safetensors name")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def write_lora_diffusers(
@@ -127,7 +173,7 @@ def write_lora_diffusers(
     file = _save_diffusers(Path(out), (scaled, lora_config.to_dict()))
     with safe_open(str(file), "pt") as handle:
         own = handle.metadata() or {}
-    header = {**own, **wan_metadata(config, metadata)}
+    header = {**own, **wan_metadata(config, metadata, alpha_in_weights=True)}
     write_safetensors(file, load_file(str(file)), dtype=dtype, metadata=header)
     return file
 
@@ -137,14 +183,28 @@ def write_lora_comfyui(
     metadata: dict[str, str],
 ) -> Path:  # fmt: skip
     """``impasto export --format lora-comfyui``: one ``.safetensors`` (module docstring)."""
-    out = Path(out)
-    if out.suffix != ".safetensors":
-        raise ValueError(f"export: {out}: a ComfyUI LoRA is one file; give a .safetensors name")
+    out = _one_file(out, "ComfyUI")
     scaled, _ = _scaled(config, states)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out, to_comfyui(scaled), dtype=dtype, metadata=wan_metadata(config, metadata))
+    header = wan_metadata(config, metadata, alpha_in_weights=True)
+    write_safetensors(out, to_comfyui(scaled), dtype=dtype, metadata=header)
     return out
 
 
-LORA_EXPORTS = {"lora-diffusers": write_lora_diffusers, "lora-comfyui": write_lora_comfyui}
+def write_lora_kohya(
+    config: Any, states: dict[str, dict[str, Tensor]], out: Path, dtype: torch.dtype,
+    metadata: dict[str, str],
+) -> Path:  # fmt: skip
+    """``impasto export --format lora-kohya``: one ``.safetensors`` (module docstring)."""
+    out = _one_file(out, "kohya")
+    state, _, alpha = _transformer_state(config, states)
+    header = wan_metadata(config, metadata, alpha_in_weights=False)
+    write_safetensors(out, to_kohya(state, alpha), dtype=dtype, metadata=header)
+    return out
+
+
+LORA_EXPORTS = {
+    "lora-diffusers": write_lora_diffusers,
+    "lora-comfyui": write_lora_comfyui,
+    "lora-kohya": write_lora_kohya,
+}
 """``impasto export --format`` → writer of a Wan LoRA run's adapters."""

@@ -1,25 +1,46 @@
-"""Sampling Wan 2.1 as ``WanPipeline`` does: diffusers' own ``UniPCMultistepScheduler`` with the
-model's scheduler config (Wan2.1's: flow sigmas shifted by ``flow_shift`` 3.0; 5.0 for 720p),
-driven step by step as the pipeline drives it, classifier-free guidance on the velocity with
-the negative prompt (``""`` by default; Wan's recommended one is long, docs/wan.md):
-``v_u + g·(v_c − v_u)`` for g > 1, the conditional and unconditional branches run one after the
-other as the pipeline runs them.
+"""Sampling Wan 2.1 as ``WanPipeline`` does: UniPC (impasto's ``unipc`` flow sampler, equal to
+diffusers' ``UniPCMultistepScheduler``) on the ladder of the model's scheduler config (Wan2.1's:
+flow sigmas shifted by ``flow_shift`` 3.0; 5.0 for 720p), classifier-free guidance on the
+velocity with the negative prompt (``""`` by default; Wan's recommended one is long,
+docs/wan.md): ``v_u + g·(v_c − v_u)`` for g > 1.
 
-``impasto sample`` (the generic sampler, :mod:`impasto.sampling`) samples this family with
-its flow samplers on the same ladder (:func:`wan_ladder`, through the backbone's
-``sampling_ladder``); :func:`generate_wan` is the pipeline's sampler to the bit.
+The backbone names UniPC as its own sampler (``own_sampler``) and the ladder as its own
+(``sampling_ladder``: :func:`wan_ladder`), so ``impasto sample`` and validation clips, which
+call :mod:`impasto.sampling`'s generic sampler, sample as the pipeline does unless another
+sampler (``euler``) is asked by name; :func:`generate_wan` is that sampler with the
+pipeline's defaults.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from impasto.models.wan.backbone import WanBackbone
-from impasto.sampling.generate import draw_noise, eval_mode, image_generators
+from impasto.sampling.generate import eval_mode, generate_latents
 
 DEFAULT_STEPS = 50  # WanPipeline's defaults
 DEFAULT_GUIDANCE = 5.0
+
+# the UniPC impasto's "unipc" flow sampler is (impasto.sampling.unipc): a scheduler config
+# with other values samples otherwise, so the family does not call it its own
+UNIPC_SOLVER = {
+    "prediction_type": "flow_prediction", "use_flow_sigmas": True, "solver_order": 2,
+    "solver_type": "bh2", "predict_x0": True, "lower_order_final": True,
+    "disable_corrector": [], "thresholding": False,
+}  # fmt: skip
+
+
+def own_sampler(backbone: WanBackbone) -> str:
+    """``"unipc"``: WanPipeline's ``UniPCMultistepScheduler``, once its config is checked to be
+    the variant impasto's sampler implements (a one-line error otherwise)."""
+    config = backbone.components.scheduler().config
+    for key, value in UNIPC_SOLVER.items():
+        if config.get(key) != value:
+            raise ValueError(
+                f"the model's scheduler config sets {key}={config.get(key)!r}; impasto's unipc "
+                f"sampler is UniPC with {key}={value!r}: ask for --sampler euler (sample.sampler)"
+            )
+    return "unipc"
 
 
 def wan_ladder(backbone: WanBackbone, num_steps: int) -> tuple[Tensor, Tensor]:
@@ -30,10 +51,6 @@ def wan_ladder(backbone: WanBackbone, num_steps: int) -> tuple[Tensor, Tensor]:
     scheduler = backbone.components.scheduler()
     scheduler.set_timesteps(num_steps)
     return scheduler.timesteps.float(), scheduler.sigmas.float()
-
-
-def _velocity(backbone: WanBackbone, x: Tensor, timestep: Tensor, condition) -> Tensor:
-    return backbone.forward(x.to(backbone.dtype), timestep.to(x.device), condition).float()
 
 
 def generate_wan_latents(
@@ -48,36 +65,18 @@ def generate_wan_latents(
     height: int = 480,
     width: int = 832,
     frames: int = 81,
+    sampler: str | None = None,
 ) -> Tensor:
     """Latents ``[B·k, 16, 1 + (frames − 1)/4, H/8, W/8]`` float32 on the model's device (not
     unscaled), rows prompt-major; row j starts from the noise of seed + j (``WanPipeline``
-    called with ``generator=[torch.Generator().manual_seed(seed + j) ...]``)."""
-    if isinstance(prompts, str) or not prompts:
-        raise ValueError("prompts must be a non-empty list of strings")
-    if num_videos_per_prompt < 1:
-        raise ValueError(f"num_videos_per_prompt must be >= 1, got {num_videos_per_prompt}")
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    shape = backbone.latent_shape(height, width, frames)
-    prompts = [prompt for prompt in prompts for _ in range(num_videos_per_prompt)]
-    device = backbone.device
-    scheduler = backbone.components.scheduler()
-    scheduler.set_timesteps(num_steps, device=device)
-    scheduler.set_begin_index(0)
-    guided = guidance_scale > 1.0  # the pipeline's do_classifier_free_guidance
-    with torch.no_grad(), eval_mode(*backbone.parts().values()):
-        cond = backbone.sampling_condition(prompts, height, width)
-        uncond = None
-        if guided:
-            uncond = backbone.sampling_condition([negative_prompt] * len(prompts), height, width)
-        x = draw_noise(image_generators(len(prompts), seed), shape).to(device)
-        for timestep in scheduler.timesteps:
-            velocity = _velocity(backbone, x, timestep, cond)
-            if uncond is not None:
-                uncond_v = _velocity(backbone, x, timestep, uncond)
-                velocity = uncond_v + guidance_scale * (velocity - uncond_v)
-            x = scheduler.step(velocity, timestep, x, return_dict=False)[0]
-        return x
+    called with ``generator=[torch.Generator().manual_seed(seed + j) ...]``): impasto's
+    sampler with WanPipeline's defaults, UniPC unless ``sampler`` names another."""
+    return generate_latents(
+        backbone, prompts, negative_prompt=negative_prompt,
+        num_images_per_prompt=num_videos_per_prompt, num_steps=num_steps,
+        guidance_scale=guidance_scale, sampler=sampler, seed=seed, height=height, width=width,
+        frames=frames, prediction_type="flow",
+    )  # fmt: skip
 
 
 def generate_wan(backbone: WanBackbone, prompts: list[str], **options: object) -> Tensor:
