@@ -112,7 +112,7 @@ def test_every_unknown_name_is_reported_by_check_config_and_the_cli(tmp_path, ca
         "optim.name: unknown optimizer 'sgdx'; valid: adafactor, adamw, adamw_8bit, "
         "adamw_bf16_sr, prodigy",
         "sample.sampler: unknown name 'heun'; valid: ddim, dpmpp_2m, dpmpp_2m_karras, euler, "
-        "euler_ancestral",
+        "euler_ancestral, unipc",
     ]
     with pytest.raises(ConfigError) as caught:
         impasto.build_config(raw)

@@ -315,8 +315,8 @@ def _add_sample(sub: Subcommands) -> None:
     sample.add_argument("--ema", action="store_true", help="sample with the EMA weights")
     sample.add_argument(
         "--sampler",
-        help="euler, euler_ancestral, ddim, dpmpp_2m, dpmpp_2m_karras (flow models: euler); "
-        "default: sample.sampler",
+        help="euler, euler_ancestral, ddim, dpmpp_2m, dpmpp_2m_karras, unipc (flow models: "
+        "euler, unipc); default: sample.sampler, else the family's own (Wan: unipc; euler)",
     )
     sample.add_argument(
         "--spacing",

@@ -35,6 +35,7 @@ from impasto.sample_clips import DEFAULT_CLIP_FORMATS, ClipOutput, clip_fps, cli
 from impasto.sample_source import SamplingModel, open_model
 from impasto.sampling import OwnSampling, generate, model_forward, to_pil
 from impasto.sampling.anneal import Annealing, ModelForward, anneal_weights
+from impasto.sampling.process import default_sampler
 from impasto.sampling.prompt_file import (
     PromptOptions,
     SamplePrompt,
@@ -122,7 +123,7 @@ class SampleRequest:
         """The options of every prompt: the request's where given, else the model's."""
         rescale = self.guidance_rescale
         return SharedOptions(
-            sampler=self.sampler or model.sample.sampler,
+            sampler=self.sampler or model.sample.sampler or default_sampler(model.backbone),
             guidance_rescale=model.sample.guidance_rescale if rescale is None else rescale,
             spacing=self.spacing,
             num_images=1 if self.num_images is None else self.num_images,

@@ -311,7 +311,11 @@ class SampleConfig(Section):
     guidance_rescale: Float = Field(
         0.0, ge=0, le=1, description="phi of Lin et al. 2023, 3.4 (0: off; they use 0.7)"
     )
-    sampler: str = "euler"
+    sampler: str | None = Field(
+        None,
+        description="a sampler's name (docs/objectives.md); null: the model family's own "
+        "(Wan: unipc, as WanPipeline; every other family: euler)",
+    )
     spacing: Literal["leading", "trailing", "linspace"] | None = Field(
         None, description="default: trailing with zero terminal SNR, else leading (SDXL)"
     )

@@ -322,6 +322,8 @@ def sample_problems(sample: SampleConfig, objective: ObjectiveConfig) -> list[st
     from impasto.sampling.flow import FLOW_SAMPLERS
     from impasto.sampling.samplers import SAMPLERS
 
+    if sample.sampler is None:  # the family's own (impasto.sampling.process.default_sampler)
+        return prompts_file_problems(sample, objective)
     if sample.sampler not in SAMPLERS:
         valid = ", ".join(sorted(SAMPLERS))
         return [f"sample.sampler: unknown name {sample.sampler!r}; valid: {valid}"]
