@@ -29,7 +29,8 @@ checkpoint's adapters, un-merged, through :mod:`impasto.export.family`):
 
 Both carry the header every impasto LoRA export carries (kohya's ``ss_*``, SAI model-spec,
 ``impasto.*``) with FLUX's values (``flux1``, ``flux-1-dev``). Kinds other than plain LoRA
-(DoRA, LoHa, LoKr) are refused with one line.
+(DoRA, LoHa, LoKr) are refused with one line. The steps every transformer family shares are
+:mod:`impasto.models.transformer_lora`; this module holds FLUX's names and header values.
 """
 
 from __future__ import annotations
@@ -37,78 +38,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import peft
-import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
-from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import Tensor
 
 from impasto.models.flux.backbone import FluxBackbone
 from impasto.models.flux.single_file import DOUBLE_LINEARS, SINGLE_LINEARS, variant_of_model
-from impasto.models.lora_kohya import to_kohya
-from impasto.models.parts import ADAPTER_NAME
-from impasto.models.single_file.keymap import clip_text_model_key
-from impasto.models.single_file.stream import write_safetensors
+from impasto.models.transformer_lora import (
+    LORA_FILE,  # noqa: F401  (wan/lora.py imports it from here)
+    OriginalLayer,
+    TransformerLora,
+    adapter_state,  # noqa: F401  (wan/lora.py imports it from here)
+    lora_exports,
+    save_lora,
+    to_kohya_layers,
+)
 
-LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default weight name
 EXPORTED_PARTS = ("transformer", "text_encoder")  # T5 trains frozen only
-
-
-def adapter_state(
-    module: torch.nn.Module, part: str
-) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
-    """``module``'s adapter as exported (the module docstring): its tensors, float32 on the
-    CPU, alpha/rank in ``lora_B``, and the LoRA config to save beside them; None if it has
-    none."""
-    if not any(isinstance(child, BaseTunerLayer) for child in module.modules()):
-        return None
-    config = module.peft_config[ADAPTER_NAME]
-    if not isinstance(config, peft.LoraConfig) or config.use_dora:
-        kind = "dora" if getattr(config, "use_dora", False) else type(config).__name__
-        raise ValueError(
-            f"parts.{part}: a {kind} adapter; the diffusers LoRA format holds plain LoRA "
-            "(lora.kind: lora)"
-        )
-    if config.rank_pattern or config.alpha_pattern:
-        raise ValueError(f"parts.{part}: per-layer ranks or alphas are not exported")
-    scale = config.lora_alpha / config.r
-    state = {}
-    for key, tensor in peft.get_peft_model_state_dict(module, adapter_name=ADAPTER_NAME).items():
-        tensor = tensor.detach().to("cpu", torch.float32)
-        if key.endswith("lora_B.weight"):
-            tensor = tensor * scale
-        if part == "text_encoder":
-            key = clip_text_model_key(key)
-        state[key] = tensor.contiguous()
-    metadata = config.to_dict()
-    metadata["lora_alpha"] = config.r  # the scale is in lora_B
-    return state, metadata
 
 
 def save_flux_lora(backbone: FluxBackbone, out: str | Path) -> Path:
     """Write the adapters of the transformer (and CLIP-L, if it has one) to the folder ``out``
     in diffusers' FLUX LoRA layout; returns the weights file."""
-    adapters = {part: adapter_state(backbone.parts()[part], part) for part in EXPORTED_PARTS}
-    if all(adapter is None for adapter in adapters.values()):
-        raise ValueError("no adapter to export: the run trained no part with lora")
-    return _save_diffusers(Path(out), adapters)
-
-
-def _save_diffusers(root: Path, adapters: dict[str, tuple[dict, dict] | None]) -> Path:
-    from diffusers import FluxPipeline
-
-    transformer, text_encoder = adapters.get("transformer"), adapters.get("text_encoder")
-    root.mkdir(parents=True, exist_ok=True)
-    FluxPipeline.save_lora_weights(
-        str(root),
-        transformer_lora_layers=transformer[0] if transformer else None,
-        text_encoder_lora_layers=text_encoder[0] if text_encoder else None,
-        transformer_lora_adapter_metadata=transformer[1] if transformer else None,
-        text_encoder_lora_adapter_metadata=text_encoder[1] if text_encoder else None,
-        safe_serialization=True,
-    )
-    return root / LORA_FILE
+    return save_lora(backbone.parts(), out, LORA)
 
 
 # -- impasto export --format lora-* (FamilySpec.lora_exports) --------------------------------
@@ -140,44 +90,6 @@ def flux_metadata(config: Any, metadata: dict[str, str]) -> dict[str, str]:
     }
 
 
-def _check_exported(states: dict[str, dict[str, Tensor]]) -> None:
-    for part in states:
-        if part not in EXPORTED_PARTS:
-            raise ValueError(f"export: parts.{part} takes no adapter in the flux family")
-
-
-def _scale(config: Any) -> tuple[int, float]:
-    lora = config.lora
-    return lora.rank, float(lora.rank if lora.alpha is None else lora.alpha)
-
-
-def write_lora_diffusers(
-    config: Any, states: dict[str, dict[str, Tensor]], out: Path, dtype: torch.dtype,
-    metadata: dict[str, str],
-) -> Path:  # fmt: skip
-    """``impasto export --format lora-diffusers``: ``OUT/pytorch_lora_weights.safetensors``
-    (module docstring) in ``dtype``, written by ``FluxPipeline.save_lora_weights``, then
-    given the run's header."""
-    _check_exported(states)
-    rank, alpha = _scale(config)
-    adapters: dict[str, tuple[dict, dict] | None] = {}
-    for part, state in states.items():
-        scaled = {}
-        for key, tensor in state.items():
-            if key.endswith("lora_B.weight"):
-                tensor = tensor * (alpha / rank)
-            scaled[clip_text_model_key(key) if part == "text_encoder" else key] = tensor
-        modules = sorted({key.partition(".lora_")[0] for key in state})
-        lora_config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules)
-        adapters[part] = scaled, lora_config.to_dict()
-    file = _save_diffusers(Path(out), adapters)
-    with safe_open(str(file), "pt") as handle:
-        own = handle.metadata() or {}
-    header = {**own, **flux_metadata(config, metadata), "impasto.lora_alpha_in_weights": "true"}
-    write_safetensors(file, load_file(str(file)), dtype=dtype, metadata=header)
-    return file
-
-
 # the fused layers of the original layout: (block list, original name) → diffusers' parts,
 # in the order the original stacks them
 FUSED = {
@@ -195,94 +107,37 @@ PLAIN = {"transformer_blocks": DOUBLE_LINEARS, "single_transformer_blocks": SING
 MLP_RATIO = 4  # a single block's MLP input is 4× the width (diffusers' FluxSingleTransformerBlock)
 
 
-def _original_name(module: str) -> tuple[str, tuple[str, ...] | None, str]:
-    """``(original module name, the fused group's parts or None, the part)`` of a diffusers
-    module name inside the transformer's blocks."""
+def original_layer(module: str) -> OriginalLayer:
+    """Where the adapter of a diffusers module inside the transformer's blocks goes in the
+    original layout."""
     blocks, index, rest = module.split(".", 2)
     if blocks not in ORIGINAL_BLOCKS:
         raise ValueError(f"export: {module} is not in a FLUX block; kohya names blocks only")
     prefix = f"{ORIGINAL_BLOCKS[blocks]}.{index}"
     for (kind, fused), members in FUSED.items():
         if kind == blocks and rest in members:
-            return f"{prefix}.{fused}", members, rest
+            widths = tuple(MLP_RATIO if member == "proj_mlp" else 1 for member in members)
+            return OriginalLayer(f"{prefix}.{fused}", rest, members, widths)
     if rest not in PLAIN[blocks]:
         raise ValueError(f"export: {module} has no layer of its own in the original layout")
-    return f"{prefix}.{PLAIN[blocks][rest]}", None, rest
-
-
-def _fused_lora(
-    factors: dict[str, tuple[Tensor, Tensor]], members: tuple[str, ...]
-) -> tuple[Tensor, Tensor]:
-    """``(down [k·r, in], up [sum of the parts' outputs, k·r])`` of the k adapted parts of one
-    fused layer (module docstring)."""
-    some_b = next(iter(factors.values()))[1]
-    name = next(iter(factors))
-    hidden = some_b.shape[0] // (MLP_RATIO if name == "proj_mlp" else 1)
-    sizes = [hidden * MLP_RATIO if member == "proj_mlp" else hidden for member in members]
-    return fuse_lora(factors, members, sizes)
-
-
-def fuse_lora(
-    factors: dict[str, tuple[Tensor, Tensor]], members: tuple[str, ...], sizes: list[int]
-) -> tuple[Tensor, Tensor]:
-    """One LoRA of a fused layer whose outputs are ``members`` stacked (``sizes`` rows each)
-    from the ``(lora_A, lora_B)`` of its k adapted parts: ``down [k·r, in]`` their ``lora_A``
-    one under the other, ``up [sum(sizes), k·r]`` block-diagonal (zero rows for a part
-    without an adapter), so ``up·down`` is each part's own ``B·A`` in its rows."""
-    rank = next(iter(factors.values()))[0].shape[0]
-    present = [member for member in members if member in factors]
-    down = torch.cat([factors[member][0] for member in present])
-    up = down.new_zeros(sum(sizes), rank * len(present))
-    for column, member in enumerate(present):
-        row = sum(sizes[: members.index(member)])
-        lora_b = factors[member][1]
-        up[row : row + lora_b.shape[0], column * rank : (column + 1) * rank] = lora_b
-    return down, up
+    return OriginalLayer(f"{prefix}.{PLAIN[blocks][rest]}", rest)
 
 
 def to_kohya_flux(state: dict[str, Tensor], alpha: float) -> dict[str, Tensor]:
     """The transformer's peft LoRA weights → kohya's FLUX entries (module docstring)."""
-    layers: dict[str, tuple[tuple[str, ...] | None, dict[str, tuple[Tensor, Tensor]]]] = {}
-    for key in state:
-        module, _, suffix = key.partition(".lora_")
-        if suffix not in ("A.weight", "B.weight"):
-            raise ValueError(f"export: {key} is not a plain LoRA weight; kohya holds LoRA only")
-        original, members, name = _original_name(module)
-        pair = (state[f"{module}.lora_A.weight"], state[f"{module}.lora_B.weight"])
-        layers.setdefault(original, (members, {}))[1][name] = pair
-    kohya = {}
-    for original, (members, factors) in layers.items():
-        if members is None:
-            down, up = next(iter(factors.values()))
-        else:
-            down, up = _fused_lora(factors, members)
-        name = "lora_unet_" + original.replace(".", "_")
-        kohya[f"{name}.lora_down.weight"] = down.contiguous()
-        kohya[f"{name}.lora_up.weight"] = up.contiguous()
-        kohya[f"{name}.alpha"] = torch.tensor(alpha * len(factors))
-    return kohya
+    return to_kohya_layers(state, alpha, original_layer)
 
 
-def write_lora_kohya(
-    config: Any, states: dict[str, dict[str, Tensor]], out: Path, dtype: torch.dtype,
-    metadata: dict[str, str],
-) -> Path:  # fmt: skip
-    """``impasto export --format lora-kohya``: one ``.safetensors`` (module docstring)."""
-    _check_exported(states)
-    out = Path(out)
-    if out.suffix != ".safetensors":
-        raise ValueError(f"export: {out}: a kohya LoRA is one file; give a .safetensors name")
-    _, alpha = _scale(config)
-    tensors = {}
-    for part, state in states.items():
-        if part == "transformer":
-            tensors |= to_kohya_flux(state, alpha)
-        else:  # CLIP-L: lora_te1_text_model_…, as for SDXL
-            tensors |= to_kohya(part, state, alpha)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out, tensors, dtype=dtype, metadata=flux_metadata(config, metadata))
-    return out
+def _kohya_entries(config: Any, state: dict[str, Tensor], alpha: float) -> dict[str, Tensor]:
+    return to_kohya_flux(state, alpha)  # FLUX's names need nothing of the run's config
 
 
-LORA_EXPORTS = {"lora-diffusers": write_lora_diffusers, "lora-kohya": write_lora_kohya}
+LORA = TransformerLora(
+    family="flux",
+    parts=EXPORTED_PARTS,
+    pipeline="FluxPipeline",
+    header=flux_metadata,
+    kohya=_kohya_entries,
+)
+LORA_EXPORTS = lora_exports(LORA)
 """``impasto export --format`` → writer of a FLUX LoRA run's adapters."""

@@ -9,18 +9,23 @@ The original layout fuses what diffusers keeps apart: a double block's ``qkv`` i
 stacked, a single block's ``linear1`` is q, k, v and the MLP's input (``proj_mlp``) stacked,
 and the final modulation holds (shift, scale) where diffusers has (scale, shift). The map is
 ComfyUI's ``comfy.utils.flux_to_diffusers`` read backwards (``tests/test_flux_single_file.py``
-holds it against ComfyUI's map and diffusers' own converter).
+holds it against ComfyUI's map and diffusers' own converter). Reading, prefixes, checks and
+messages are shared with the other transformer families
+(:mod:`impasto.models.transformer_single_file`); here are FLUX's map, wording and variants.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
+from impasto.models import transformer_single_file as shared
+from impasto.models.transformer_single_file import ENDS, PREFIXES, TransformerFile, swap_scale_shift
+
 SETTING = "model.flux.transformer"
-PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 ORIGINAL_KEY = "img_in.weight"  # present in every original-layout FLUX transformer
 DIFFUSERS_KEY = "x_embedder.weight"
 
@@ -57,19 +62,6 @@ BASIC_LINEARS = {
     "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
     "proj_out": "final_layer.linear",
 }
-ENDS = ("weight", "bias")
-
-
-def _blocks(state: dict[str, Tensor], prefix: str) -> int:
-    """The number of blocks ``prefix.N.`` in ``state``."""
-    indices = {int(key.split(".")[1]) for key in state if key.startswith(prefix + ".")}
-    return max(indices) + 1 if indices else 0
-
-
-def swap_scale_shift(weight: Tensor) -> Tensor:
-    """(shift, scale) rows ↔ (scale, shift) rows of the final modulation."""
-    first, second = weight.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
 
 
 def from_original(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -79,7 +71,7 @@ def from_original(state: dict[str, Tensor]) -> dict[str, Tensor]:
     take = source.pop
     hidden = source[ORIGINAL_KEY].shape[0]
     out: dict[str, Tensor] = {}
-    for i in range(_blocks(source, "double_blocks")):
+    for i in range(shared.count_blocks(source, "double_blocks")):
         block, original = f"transformer_blocks.{i}", f"double_blocks.{i}"
         for end in ENDS:
             for names, fused in FUSED_QKV:
@@ -90,7 +82,7 @@ def from_original(state: dict[str, Tensor]) -> dict[str, Tensor]:
                 out[f"{block}.{name}.{end}"] = take(f"{original}.{fused}.{end}")
         for name, fused in DOUBLE_NORMS.items():
             out[f"{block}.{name}"] = take(f"{original}.{fused}")
-    for i in range(_blocks(source, "single_blocks")):
+    for i in range(shared.count_blocks(source, "single_blocks")):
         block, original = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
         for end in ENDS:
             linear1 = take(f"{original}.linear1.{end}")
@@ -113,65 +105,44 @@ def from_original(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def read_transformer_file(path: str | Path) -> dict[str, Tensor]:
-    """The transformer file ``path`` as a diffusers state dict, float32 (module docstring);
-    every problem one line naming ``model.flux.transformer``."""
-    from safetensors.torch import load_file
-
-    from impasto.models.single_file.file_errors import check_safetensors
-
-    check_safetensors(path, SETTING)  # missing, unreadable, truncated: say which
-    state = load_file(str(path))
-    for prefix in PREFIXES:
-        if any(key.startswith(prefix) for key in state):
-            state = {key.removeprefix(prefix): value for key, value in state.items()}
-    if ORIGINAL_KEY in state:
-        try:
-            state = from_original(state)
-        except (KeyError, ValueError) as error:
-            detail = f"no {error.args[0]!r}" if isinstance(error, KeyError) else str(error)
-            raise ValueError(
-                f"{SETTING} {path}: not a whole FLUX transformer in the original layout "
-                f"({detail}); point it at a FLUX.1 transformer file"
-            ) from None
-    elif DIFFUSERS_KEY not in state:
-        raise ValueError(
-            f"{SETTING} {path}: neither a FLUX transformer's original layout (img_in, "
-            "double_blocks ...) nor diffusers' (x_embedder, transformer_blocks ...)"
-        )
-    return {key: value.float() for key, value in state.items()}
+# -- reading and loading a file (impasto.models.transformer_single_file) ---------------------
+FOLDER_PARTS = "vae/, text_encoder/ (CLIP-L), text_encoder_2/ (T5), tokenizer/, tokenizer_2/"
 
 
-def load_transformer_file(path: str | Path, transformer: torch.nn.Module) -> None:
-    """Load the file ``path`` into ``transformer`` in place (every tensor, shapes checked); its
-    parameters may be on the meta device (built from a config alone), they take the file's."""
-    from impasto.models.io import own_aligned_storage
+def _variant_mismatch(missing: list[str], unexpected: list[str]) -> str | None:
+    """The right family, the other variant (a guidance embedding too many or too few): say
+    which is which."""
+    if not any("guidance_embedder" in key for key in (*missing, *unexpected)):
+        return None
+    have, want = ("dev", "schnell") if unexpected else ("schnell", "dev")
+    return (
+        f"a FLUX.1-{have} transformer, but model.path / model.preset is FLUX.1-{want}'s "
+        f"(guidance embedding); use the FLUX.1-{have} folder or preset"
+    )
 
-    state = read_transformer_file(path)
-    expected = transformer.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
-    guidance = [key for key in (*missing, *unexpected) if "guidance_embedder" in key]
-    if guidance:  # the right family, the other variant: say which is which
-        have, want = ("dev", "schnell") if unexpected else ("schnell", "dev")
-        raise ValueError(
-            f"{SETTING} {path}: a FLUX.1-{have} transformer, but model.path / model.preset is "
-            f"FLUX.1-{want}'s (guidance embedding); use the FLUX.1-{have} folder or preset"
-        )
-    if missing or unexpected or wrong:
-        problem = (
-            f"no {missing[0]!r}" if missing else
-            f"an extra {unexpected[0]!r}" if unexpected else
-            f"{wrong[0]!r} of shape {tuple(state[wrong[0]].shape)}, not "
-            f"{tuple(expected[wrong[0]].shape)}"
-        )  # fmt: skip
-        raise ValueError(
-            f"{SETTING} {path}: does not fit the transformer of model.path / model.preset "
-            f"({problem}); use the FLUX.1 folder (or preset) the file was trained from"
-        )
-    transformer.load_state_dict(state, strict=True, assign=True)
-    own_aligned_storage(transformer)
+
+FILE = TransformerFile(
+    setting=SETTING,
+    name="FLUX",
+    release="FLUX.1",
+    article="a",
+    original_key=ORIGINAL_KEY,
+    diffusers_key=DIFFUSERS_KEY,
+    layouts=("img_in, double_blocks ...", "x_embedder, transformer_blocks ..."),
+    folder_parts=FOLDER_PARTS,
+    from_original=from_original,
+    transformer_only=False,  # a stray tensor beside the prefixed ones is named, not dropped
+    mismatch=_variant_mismatch,
+)
+
+
+read_transformer_file = partial(shared.read_transformer_file, file=FILE)
+"""The transformer file ``path`` as a diffusers state dict, float32 (module docstring);
+every problem one line naming ``model.flux.transformer``."""
+
+load_transformer_file = partial(shared.load_transformer_file, file=FILE)
+"""Load the file ``path`` into ``transformer`` in place (every tensor, shapes checked; a
+file of the other variant says so)."""
 
 
 # -- telling a FLUX transformer file and its variant from its keys --------------------------
@@ -180,22 +151,13 @@ GUIDANCE_KEYS = (
     "time_text_embed.guidance_embedder.linear_1.weight",  # diffusers'
 )
 DIFFUSERS_BLOCKS = "single_transformer_blocks."
-FOLDER_PARTS = "vae/, text_encoder/ (CLIP-L), text_encoder_2/ (T5), tokenizer/, tokenizer_2/"
 
 
-def _unprefixed(keys: object) -> set[str]:
-    keys = set(keys)  # type: ignore[call-overload]
-    for prefix in (*PREFIXES, "transformer."):
-        if any(key.startswith(prefix) for key in keys):
-            keys = {key.removeprefix(prefix) for key in keys}
-    return keys
-
-
-def transformer_variant(keys: object) -> str | None:
+def transformer_variant(keys: Iterable[str]) -> str | None:
     """``"dev"`` for a FLUX transformer's tensor names with a guidance embedding (FLUX.1-dev
     and its fine-tunes), ``"schnell"`` without; None for names that are not a FLUX
     transformer's (original layout or diffusers', any prefix)."""
-    names = _unprefixed(keys)
+    names = set(shared.strip_prefixes(dict.fromkeys(keys), (*PREFIXES, "transformer."), False))
     original = ORIGINAL_KEY in names and any(key.startswith("double_blocks.") for key in names)
     diffusers = DIFFUSERS_KEY in names and any(key.startswith(DIFFUSERS_BLOCKS) for key in names)
     if not (original or diffusers):
@@ -203,15 +165,8 @@ def transformer_variant(keys: object) -> str | None:
     return "dev" if any(key in names for key in GUIDANCE_KEYS) else "schnell"
 
 
-def file_variant(path: str | Path) -> str | None:
-    """:func:`transformer_variant` of a ``.safetensors`` file's header (None: unreadable)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), "pt") as handle:
-            return transformer_variant(handle.keys())
-    except (OSError, SafetensorError):
-        return None
+file_variant = partial(shared.file_variant, variant=transformer_variant)
+""":func:`transformer_variant` of a ``.safetensors`` file's header (None: unreadable)."""
 
 
 def variant_of_model(
@@ -220,14 +175,11 @@ def variant_of_model(
     """``"dev"`` / ``"schnell"`` of the model a config names (``model.path``,
     ``model.preset``, ``model.flux.transformer``), read from config files and headers only;
     None where they do not say."""
-    import json
-
     if transformer_file is not None:
         return file_variant(transformer_file)
     if path is not None:
-        try:
-            config = json.loads((Path(path) / "transformer" / "config.json").read_text())
-        except (OSError, ValueError):
+        config = shared.folder_config(path)
+        if config is None:
             return None
         return "dev" if config.get("guidance_embeds") else "schnell"
     return "schnell" if preset == "schnell" else "dev"  # tiny has dev's guidance embedding
@@ -237,13 +189,5 @@ def single_file_advice(path: str | Path, setting: str) -> str:
     """The one-line error for a single file given where a diffusers FLUX.1 folder belongs:
     what the file is and what else FLUX needs."""
     variant = file_variant(path)
-    if variant is None:
-        return (
-            f"{setting} {path}: a single file, and not a FLUX transformer; set {setting} to a "
-            f"diffusers FLUX.1 folder ({FOLDER_PARTS}, transformer/, scheduler/)"
-        )
-    return (
-        f"{setting} {path}: a FLUX.1-{variant} transformer file, without the VAE and text "
-        f"encoders; set model.path to a diffusers FLUX.1-{variant} folder ({FOLDER_PARTS}) "
-        "and model.flux.transformer to this file"
-    )
+    release = None if variant is None else (f"FLUX.1-{variant}", f"FLUX.1-{variant}")
+    return shared.single_file_advice(path, setting, FILE, release)

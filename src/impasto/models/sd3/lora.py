@@ -16,7 +16,7 @@ checkpoint's adapters, un-merged, through :mod:`impasto.export.family`):
   Where the original layout fuses q, k and v into one ``qkv`` (each attention: ``x_block.attn``,
   ``context_block.attn``, SD3.5 Medium's ``x_block.attn2``), the parts' adapters are stacked
   into one LoRA of k times the rank (``down`` one under the other, ``up`` block-diagonal, alpha
-  k times the run's: :func:`impasto.models.flux.lora.fuse_lora`), so each part's update is
+  k times the run's: :func:`impasto.models.transformer_lora.fuse_lora`), so each part's update is
   exact. The last block's text modulation is stored (shift, scale) in the original layout where
   diffusers has (scale, shift): its ``up`` rows are swapped the same way. ComfyUI maps these
   names (``lora_unet_<original name>``) to the weights of its SD3 model.
@@ -25,7 +25,9 @@ The LoRA scale alpha/rank is folded into the diffusers file's ``lora_B`` weights
 LoRA config's alpha set to its rank (the same rule as FLUX's and SDXL's exports), so diffusers
 and ComfyUI both apply the trained strength. Both files carry the header every impasto LoRA
 export carries (kohya's ``ss_*``, SAI model-spec, ``impasto.*``) with SD3.5's values. Kinds
-other than plain LoRA (DoRA, LoHa, LoKr) are refused with one line.
+other than plain LoRA (DoRA, LoHa, LoKr) are refused with one line. The steps every transformer
+family shares are :mod:`impasto.models.transformer_lora`; this module holds SD3's names and
+header values.
 """
 
 from __future__ import annotations
@@ -33,14 +35,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import peft
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import Tensor
 
-from impasto.models.flux.lora import LORA_FILE, adapter_state, fuse_lora
-from impasto.models.lora_kohya import to_kohya
 from impasto.models.sd3.backbone import BLOCK_LIST, Sd3Backbone
 from impasto.models.sd3.single_file import (
     FUSED_QKV,
@@ -48,11 +44,15 @@ from impasto.models.sd3.single_file import (
     SECOND_ATTENTION,
     SECOND_QKV,
     TEXT_LINEARS,
-    swap_scale_shift,
     variant_of_model,
 )
-from impasto.models.single_file.keymap import clip_text_model_key
-from impasto.models.single_file.stream import write_safetensors
+from impasto.models.transformer_lora import (
+    OriginalLayer,
+    TransformerLora,
+    lora_exports,
+    save_lora,
+    to_kohya_layers,
+)
 
 EXPORTED_PARTS = ("transformer", "text_encoder", "text_encoder_2")  # T5 trains frozen only
 
@@ -60,33 +60,7 @@ EXPORTED_PARTS = ("transformer", "text_encoder", "text_encoder_2")  # T5 trains 
 def save_sd3_lora(backbone: Sd3Backbone, out: str | Path) -> Path:
     """Write the adapters of the transformer (and of CLIP-L / CLIP-G, where they have one) to
     the folder ``out`` in diffusers' SD3 LoRA layout; returns the weights file."""
-    adapters = {part: adapter_state(backbone.parts()[part], part) for part in EXPORTED_PARTS}
-    if all(adapter is None for adapter in adapters.values()):
-        raise ValueError("no adapter to export: the run trained no part with lora")
-    return _save_diffusers(Path(out), adapters)
-
-
-def _save_diffusers(root: Path, adapters: dict[str, tuple[dict, dict] | None]) -> Path:
-    from diffusers import StableDiffusion3Pipeline
-
-    def layers(part: str) -> dict | None:
-        return adapters[part][0] if adapters.get(part) else None
-
-    def metadata(part: str) -> dict | None:
-        return adapters[part][1] if adapters.get(part) else None
-
-    root.mkdir(parents=True, exist_ok=True)
-    StableDiffusion3Pipeline.save_lora_weights(
-        str(root),
-        transformer_lora_layers=layers("transformer"),
-        text_encoder_lora_layers=layers("text_encoder"),
-        text_encoder_2_lora_layers=layers("text_encoder_2"),
-        transformer_lora_adapter_metadata=metadata("transformer"),
-        text_encoder_lora_adapter_metadata=metadata("text_encoder"),
-        text_encoder_2_lora_adapter_metadata=metadata("text_encoder_2"),
-        safe_serialization=True,
-    )
-    return root / LORA_FILE
+    return save_lora(backbone.parts(), out, LORA)
 
 
 # -- impasto export --format lora-* (FamilySpec.lora_exports) --------------------------------
@@ -116,48 +90,10 @@ def sd3_metadata(config: Any, metadata: dict[str, str]) -> dict[str, str]:
     }
 
 
-def _check_exported(states: dict[str, dict[str, Tensor]]) -> None:
-    for part in states:
-        if part not in EXPORTED_PARTS:
-            raise ValueError(f"export: parts.{part} takes no adapter in the sd3 family")
-
-
-def _scale(config: Any) -> tuple[int, float]:
-    lora = config.lora
-    return lora.rank, float(lora.rank if lora.alpha is None else lora.alpha)
-
-
-def write_lora_diffusers(
-    config: Any, states: dict[str, dict[str, Tensor]], out: Path, dtype: torch.dtype,
-    metadata: dict[str, str],
-) -> Path:  # fmt: skip
-    """``impasto export --format lora-diffusers``: ``OUT/pytorch_lora_weights.safetensors``
-    (module docstring) in ``dtype``, written by ``StableDiffusion3Pipeline.save_lora_weights``,
-    then given the run's header."""
-    _check_exported(states)
-    rank, alpha = _scale(config)
-    adapters: dict[str, tuple[dict, dict] | None] = {}
-    for part, state in states.items():
-        scaled = {}
-        for key, tensor in state.items():
-            if key.endswith("lora_B.weight"):
-                tensor = tensor * (alpha / rank)
-            scaled[key if part == "transformer" else clip_text_model_key(key)] = tensor
-        modules = sorted({key.partition(".lora_")[0] for key in state})
-        lora_config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules)
-        adapters[part] = scaled, lora_config.to_dict()
-    file = _save_diffusers(Path(out), adapters)
-    with safe_open(str(file), "pt") as handle:
-        own = handle.metadata() or {}
-    header = {**own, **sd3_metadata(config, metadata), "impasto.lora_alpha_in_weights": "true"}
-    write_safetensors(file, load_file(str(file)), dtype=dtype, metadata=header)
-    return file
-
-
-def _original_name(module: str, depth: int) -> tuple[str, tuple[str, ...] | None, str, bool]:
-    """``(original module name, the fused q/k/v names or None, the part, swapped)`` of a
-    diffusers module name inside the transformer's joint blocks (``depth``: their number;
-    swapped: the last block's text modulation, stored (shift, scale))."""
+def original_layer(module: str, depth: int) -> OriginalLayer:
+    """Where the adapter of a diffusers module inside the transformer's joint blocks goes in
+    the original layout (``depth``: their number; the last block's text modulation is stored
+    (shift, scale))."""
     blocks, index, rest = module.split(".", 2)
     if blocks != BLOCK_LIST:
         raise ValueError(f"export: {module} is not in an SD3 joint block; kohya names blocks only")
@@ -165,40 +101,19 @@ def _original_name(module: str, depth: int) -> tuple[str, tuple[str, ...] | None
     last = int(index) == depth - 1
     for names, fused in (*FUSED_QKV, SECOND_QKV):
         if rest in names:
-            return f"{prefix}.{fused}", names, rest, False
+            return OriginalLayer(f"{prefix}.{fused}", rest, names)
     if rest == "norm1_context.linear" and last:
-        return f"{prefix}.context_block.adaLN_modulation.1", None, rest, True
+        return OriginalLayer(f"{prefix}.context_block.adaLN_modulation.1", rest, swapped=True)
     linears = IMAGE_LINEARS | SECOND_ATTENTION | ({} if last else TEXT_LINEARS)
     if rest not in linears:
         raise ValueError(f"export: {module} has no layer of its own in the original layout")
-    return f"{prefix}.{linears[rest]}", None, rest, False
+    return OriginalLayer(f"{prefix}.{linears[rest]}", rest)
 
 
 def to_kohya_sd3(state: dict[str, Tensor], alpha: float, depth: int) -> dict[str, Tensor]:
     """The transformer's peft LoRA weights → kohya's SD3 entries (module docstring);
     ``depth``: the transformer's joint blocks."""
-    layers: dict[str, tuple[tuple[str, ...] | None, dict[str, tuple[Tensor, Tensor]], bool]] = {}
-    for key in state:
-        module, _, suffix = key.partition(".lora_")
-        if suffix not in ("A.weight", "B.weight"):
-            raise ValueError(f"export: {key} is not a plain LoRA weight; kohya holds LoRA only")
-        original, members, name, swapped = _original_name(module, depth)
-        pair = (state[f"{module}.lora_A.weight"], state[f"{module}.lora_B.weight"])
-        layers.setdefault(original, (members, {}, swapped))[1][name] = pair
-    kohya = {}
-    for original, (members, factors, swapped) in layers.items():
-        if members is None:
-            down, up = next(iter(factors.values()))
-        else:
-            sizes = [next(iter(factors.values()))[1].shape[0]] * len(members)
-            down, up = fuse_lora(factors, members, sizes)
-        if swapped:
-            up = swap_scale_shift(up)
-        name = "lora_unet_" + original.replace(".", "_")
-        kohya[f"{name}.lora_down.weight"] = down.contiguous()
-        kohya[f"{name}.lora_up.weight"] = up.contiguous()
-        kohya[f"{name}.alpha"] = torch.tensor(alpha * len(factors))
-    return kohya
+    return to_kohya_layers(state, alpha, lambda module: original_layer(module, depth))
 
 
 def _depth(state: dict[str, Tensor], config: Any) -> int:
@@ -226,26 +141,16 @@ def _depth(state: dict[str, Tensor], config: Any) -> int:
     return PRESET_DEPTHS[config.model.preset]
 
 
-def write_lora_kohya(
-    config: Any, states: dict[str, dict[str, Tensor]], out: Path, dtype: torch.dtype,
-    metadata: dict[str, str],
-) -> Path:  # fmt: skip
-    """``impasto export --format lora-kohya``: one ``.safetensors`` (module docstring)."""
-    _check_exported(states)
-    out = Path(out)
-    if out.suffix != ".safetensors":
-        raise ValueError(f"export: {out}: a kohya LoRA is one file; give a .safetensors name")
-    _, alpha = _scale(config)
-    tensors = {}
-    for part, state in states.items():
-        if part == "transformer":
-            tensors |= to_kohya_sd3(state, alpha, _depth(state, config))
-        else:  # CLIP-L lora_te1_text_model_…, CLIP-G lora_te2_…, as for SDXL
-            tensors |= to_kohya(part, state, alpha)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out, tensors, dtype=dtype, metadata=sd3_metadata(config, metadata))
-    return out
+def _kohya_entries(config: Any, state: dict[str, Tensor], alpha: float) -> dict[str, Tensor]:
+    return to_kohya_sd3(state, alpha, _depth(state, config))
 
 
-LORA_EXPORTS = {"lora-diffusers": write_lora_diffusers, "lora-kohya": write_lora_kohya}
+LORA = TransformerLora(
+    family="sd3",
+    parts=EXPORTED_PARTS,
+    pipeline="StableDiffusion3Pipeline",
+    header=sd3_metadata,
+    kohya=_kohya_entries,
+)
+LORA_EXPORTS = lora_exports(LORA)
 """``impasto export --format`` → writer of an SD3.5 LoRA run's adapters."""

@@ -16,22 +16,27 @@ holds it against that map and diffusers' own ``convert_sd3_transformer_checkpoin
 
 :func:`to_original` is the inverse map: ``impasto export --format single-file`` of an SD3 run
 writes the transformer in the original layout under ``model.diffusion_model.``, the file
-ComfyUI's checkpoint loader and ``model.sd3.transformer`` read.
+ComfyUI's checkpoint loader and ``model.sd3.transformer`` read. Reading, prefixes, checks and
+messages: :mod:`impasto.models.transformer_single_file`, with SD3's map, wording and releases
+passed in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from impasto.models import transformer_single_file as shared
+from impasto.models.transformer_single_file import ENDS, PREFIXES, TransformerFile, swap_scale_shift
+
 SETTING = "model.sd3.transformer"
-PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 ORIGINAL_KEY = "x_embedder.proj.weight"  # present in every original-layout SD3 transformer
 DIFFUSERS_KEY = "pos_embed.proj.weight"
-ENDS = ("weight", "bias")
 
 BASIC = {  # diffusers name → original name (weight and bias)
     "pos_embed.proj": "x_embedder.proj",
@@ -66,24 +71,13 @@ SECOND_NORMS = {"attn2.norm_q": "x_block.attn2.ln_q", "attn2.norm_k": "x_block.a
 SECOND_QKV = (("attn2.to_q", "attn2.to_k", "attn2.to_v"), "x_block.attn2.qkv")
 
 
-def swap_scale_shift(weight: Tensor) -> Tensor:
-    """(shift, scale) rows ↔ (scale, shift) rows of a modulation."""
-    first, second = weight.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
-
-
-def _blocks(state: dict[str, Tensor]) -> int:
-    indices = {int(key.split(".")[1]) for key in state if key.startswith("joint_blocks.")}
-    return max(indices) + 1 if indices else 0
-
-
 def from_original(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """An original-layout SD3 transformer's tensors under diffusers' names (KeyError naming a
     missing tensor, ValueError naming one left over)."""
     source = dict(state)
     take = source.pop
     out: dict[str, Tensor] = {"pos_embed.pos_embed": take("pos_embed")}
-    depth = _blocks(source)
+    depth = shared.count_blocks(source, "joint_blocks")
     for i in range(depth):
         block, original = f"transformer_blocks.{i}", f"joint_blocks.{i}"
         last = i == depth - 1
@@ -183,85 +177,46 @@ def write_single_file(backbone: Any, out: Path, record: dict[str, Any], dtype: t
     return out
 
 
-def read_transformer_file(path: str | Path) -> dict[str, Tensor]:
-    """The transformer file ``path`` as a diffusers state dict, float32 (module docstring);
-    every problem one line naming ``model.sd3.transformer``."""
-    from safetensors.torch import load_file
-
-    from impasto.models.single_file.file_errors import check_safetensors
-
-    check_safetensors(path, SETTING)  # missing, unreadable, truncated: say which
-    state = load_file(str(path))
-    for prefix in PREFIXES:
-        if any(key.startswith(prefix) for key in state):
-            state = {
-                key.removeprefix(prefix): value
-                for key, value in state.items()
-                if key.startswith(prefix)  # an all-in-one checkpoint: its transformer only
-            }
-            break
-    if ORIGINAL_KEY in state:
-        try:
-            state = from_original(state)
-        except (KeyError, ValueError) as error:
-            detail = f"no {error.args[0]!r}" if isinstance(error, KeyError) else str(error)
-            raise ValueError(
-                f"{SETTING} {path}: not a whole SD3 transformer in the original layout "
-                f"({detail}); point it at an SD3.5 transformer file"
-            ) from None
-    elif DIFFUSERS_KEY not in state:
-        raise ValueError(
-            f"{SETTING} {path}: neither an SD3 transformer's original layout (x_embedder, "
-            "joint_blocks ...) nor diffusers' (pos_embed, transformer_blocks ...)"
-        )
-    return {key: value.float() for key, value in state.items()}
-
-
-def load_transformer_file(path: str | Path, transformer: torch.nn.Module) -> None:
-    """Load the file ``path`` into ``transformer`` in place (every tensor, shapes checked); its
-    parameters may be on the meta device (built from a config alone), they take the file's."""
-    from impasto.models.io import own_aligned_storage
-
-    state = read_transformer_file(path)
-    expected = transformer.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
-    if missing or unexpected or wrong:
-        problem = (
-            f"no {missing[0]!r}" if missing else
-            f"an extra {unexpected[0]!r}" if unexpected else
-            f"{wrong[0]!r} of shape {tuple(state[wrong[0]].shape)}, not "
-            f"{tuple(expected[wrong[0]].shape)}"
-        )  # fmt: skip
-        raise ValueError(
-            f"{SETTING} {path}: does not fit the transformer of model.path / model.preset "
-            f"({problem}); use the SD3.5 folder (or preset) the file was trained from"
-        )
-    transformer.load_state_dict(state, strict=True, assign=True)
-    own_aligned_storage(transformer)
-
-
-# -- telling an SD3 transformer file and its release from its keys ---------------------------
+# -- reading and loading a file (impasto.models.transformer_single_file) ---------------------
 FOLDER_PARTS = (
     "vae/, text_encoder/ (CLIP-L), text_encoder_2/ (CLIP-G), text_encoder_3/ (T5), tokenizer/, "
     "tokenizer_2/, tokenizer_3/"
 )
+FILE = TransformerFile(
+    setting=SETTING,
+    name="SD3",
+    release="SD3.5",
+    article="an",
+    original_key=ORIGINAL_KEY,
+    diffusers_key=DIFFUSERS_KEY,
+    layouts=("x_embedder, joint_blocks ...", "pos_embed, transformer_blocks ..."),
+    folder_parts=FOLDER_PARTS,
+    from_original=from_original,
+    transformer_only=True,  # an all-in-one checkpoint: its transformer only
+)
+
+
+read_transformer_file = partial(shared.read_transformer_file, file=FILE)
+"""The transformer file ``path`` as a diffusers state dict, float32 (module docstring);
+every problem one line naming ``model.sd3.transformer``."""
+
+load_transformer_file = partial(shared.load_transformer_file, file=FILE)
+"""Load the file ``path`` into ``transformer`` in place (every tensor, shapes checked); its
+parameters may be on the meta device (built from a config alone), they take the file's."""
+
+
+# -- telling an SD3 transformer file and its release from its keys ---------------------------
 RELEASES = {"large": "SD3.5 Large", "medium": "SD3.5 Medium", "unknown": "SD3"}
 LARGE_DEPTH = 38  # SD3.5 Large's joint blocks (Medium's and SD3 Medium's: 24)
 
 
-def transformer_variant(keys: object) -> str | None:
+def transformer_variant(keys: Iterable[str]) -> str | None:
     """``"medium"`` for an SD3 transformer's tensor names with the second image attention
     (SD3.5 Medium's ``x_block.attn2`` / ``attn2``), ``"large"`` for 38 joint blocks without it
     (SD3.5 Large and Large Turbo), ``"unknown"`` for another SD3 transformer (SD3 Medium);
     None for names that are not an SD3 transformer's (original layout or diffusers', any
     prefix: an all-in-one ComfyUI checkpoint's ``model.diffusion_model.``)."""
-    names = set(keys)  # type: ignore[call-overload]
-    for prefix in (*PREFIXES, "transformer."):
-        if any(key.startswith(prefix) for key in names):
-            names = {key.removeprefix(prefix) for key in names if key.startswith(prefix)}
-            break
+    names = set(shared.strip_prefixes(dict.fromkeys(keys), (*PREFIXES, "transformer."), True))
     if ORIGINAL_KEY in names and any(key.startswith("joint_blocks.") for key in names):
         blocks, second = "joint_blocks.", ".x_block.attn2."
     elif DIFFUSERS_KEY in names and "context_embedder.weight" in names:
@@ -274,15 +229,8 @@ def transformer_variant(keys: object) -> str | None:
     return "large" if depth == LARGE_DEPTH else "unknown"
 
 
-def file_variant(path: str | Path) -> str | None:
-    """:func:`transformer_variant` of a ``.safetensors`` file's header (None: unreadable)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), "pt") as handle:
-            return transformer_variant(handle.keys())
-    except (OSError, SafetensorError):
-        return None
+file_variant = partial(shared.file_variant, variant=transformer_variant)
+""":func:`transformer_variant` of a ``.safetensors`` file's header (None: unreadable)."""
 
 
 def variant_of_model(
@@ -291,16 +239,13 @@ def variant_of_model(
     """``"large"`` / ``"medium"`` of the model a config names (``model.path``,
     ``model.preset``, ``model.sd3.transformer``), read from config files and headers only;
     None where they do not say."""
-    import json
-
     from impasto.models.sd3.components import PRESET_VARIANTS
 
     if transformer_file is not None:
         variant = file_variant(transformer_file)
     elif path is not None:
-        try:
-            config = json.loads((Path(path) / "transformer" / "config.json").read_text())
-        except (OSError, ValueError):
+        config = shared.folder_config(path)
+        if config is None:
             return None
         variant = (
             "medium" if config.get("dual_attention_layers") else
@@ -315,15 +260,7 @@ def single_file_advice(path: str | Path, setting: str) -> str:
     """The one-line error for a single file given where a diffusers SD3.5 folder belongs:
     what the file is and what else SD3 needs."""
     variant = file_variant(path)
-    if variant is None:
-        return (
-            f"{setting} {path}: a single file, and not an SD3 transformer; set {setting} to a "
-            f"diffusers SD3.5 folder ({FOLDER_PARTS}, transformer/, scheduler/)"
-        )
-    release = RELEASES[variant]
-    folder = release if variant != "unknown" else "SD3.5"
-    return (
-        f"{setting} {path}: an {release} transformer file, without the VAE and text encoders; "
-        f"set model.path to a diffusers {folder} folder ({FOLDER_PARTS}) and "
-        "model.sd3.transformer to this file"
-    )
+    release = None
+    if variant is not None:
+        release = (RELEASES[variant], RELEASES[variant] if variant != "unknown" else "SD3.5")
+    return shared.single_file_advice(path, setting, FILE, release)
