@@ -56,7 +56,9 @@ def test_every_stage_runs_in_a_dry_run(tmp_path):
     assert list(results["stages"]) == stages
     assert all(results["stages"][stage]["exit"] == 0 for stage in stages)
     assert results["ceilings"]["copy"]["gbps"] > 0
-    assert " passed" in results["tests"]["summary"] and results["tests"]["exit"] == 0
+    # a dry run selects the CUDA tests, which skip on a CPU
+    summary = results["tests"]["summary"]
+    assert " skipped" in summary and "failed" not in summary and results["tests"]["exit"] == 0
     names = [row["name"] for row in results["sdxl-512"]["rows"]]
     assert names == ["diffusers", "default", "lora_r32"]
     assert [row["name"] for row in results["sdxl-1024-compile"]["rows"]] == ["diffusers", "compile"]
