@@ -27,6 +27,7 @@ from impasto.logging.flops import FlopMeter
 from impasto.models.backbone import Backbone
 from impasto.train.quantize import tensor_bytes
 from impasto.train.setup import StepSetup, build_step_setup
+from impasto.train.text_release import ReleasableText, releasable_encoders
 
 META = torch.device("meta")
 
@@ -46,6 +47,8 @@ class MetaStep:
     frozen_bytes: int  # the networks that do not train (text encoders, autoencoder)
     # and the frozen weights under adapters, by network (a quantized base counts its bytes)
     frozen_by_network: dict[str, int] = field(default_factory=dict)
+    # the frozen text encoders a run with cached text releases (not in frozen_bytes)
+    released_by_network: dict[str, int] = field(default_factory=dict)
 
     @property
     def state_bytes(self) -> int:
@@ -102,19 +105,34 @@ def measure_meta_step(config: Config, batch: Batch) -> MetaStep:
         for value in per_param.values()
     ]
     trained = {id(param) for param in setup.params}
+    released = released_text_encoders(setup)
     frozen_by_network = {
         name: [param for param in module.parameters() if id(param) not in trained]
         for name, module in setup.backbone.modules().items()
+        if name not in released
     }
     frozen = [param for params in frozen_by_network.values() for param in params]
     return MetaStep(
         flops=flops,
         trained_parameters=sum(param.numel() for param in setup.params),
-        frozen_parameters=sum(param.numel() for param in frozen),
+        frozen_parameters=sum(param.numel() for param in frozen)  # the model's, released too
+        + sum(param.numel() for module in released.values() for param in module.parameters()),
         weights_bytes=_bytes(setup.params),
         gradients_bytes=gradients,
         optimizer_bytes=_bytes(state),
         ema_bytes=_bytes(setup.ema.shadows) if setup.ema is not None else 0,
         frozen_bytes=_bytes(frozen),
         frozen_by_network={name: _bytes(params) for name, params in frozen_by_network.items()},
+        released_by_network={name: _bytes(m.parameters()) for name, m in released.items()},
     )
+
+
+def released_text_encoders(setup: StepSetup) -> dict[str, torch.nn.Module]:
+    """The text encoders a run with cached text embeddings releases after caching them
+    (:mod:`impasto.train.text_release`). The bench's batches carry their text encodings as the
+    cache delivers them, so every frozen one is, unless a text encoder trains (a run that
+    trains one caches no text)."""
+    backbone = setup.backbone
+    encoders = backbone.text_encoders() if isinstance(backbone, ReleasableText) else {}
+    cached = not any(name in encoders for name in setup.trainable)
+    return releasable_encoders(backbone, setup.trainable, cached)

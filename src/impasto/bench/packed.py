@@ -361,6 +361,7 @@ def describe(
             "frozen": state.frozen_bytes / 2**30,
         },
         "frozen_gib": {name: size / 2**30 for name, size in state.frozen_by_network.items()},
+        "released_gib": {name: size / 2**30 for name, size in state.released_by_network.items()},
         "frozen_dtype": by_variant.get(memory_variant, first).memory.frozen_dtype,
         "rows": [],
         "ratios": [],

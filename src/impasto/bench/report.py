@@ -63,6 +63,7 @@ def format_packed_report(report: dict[str, Any]) -> str:
         f"{memory['optimizer']:.2f} + EMA {memory['ema']:.2f} = "
         f"{memory['trained_total']:.2f} GiB trained; frozen networks {memory['frozen']:.2f} GiB"
         f"{frozen_parts(report)}",
+        *released_parts(report),
     ]
     if "padded" in report.get("layouts", ("padded", "packed")):
         lines.append(
@@ -110,6 +111,19 @@ def frozen_parts(report: dict[str, Any]) -> str:
         return ""
     parts = [f"{name} {gib:.2f}" for name, gib in sorted(sizes.items(), key=lambda kv: -kv[1])]
     return f" ({', '.join(parts)}; memory.frozen_dtype {report.get('frozen_dtype', 'fp32')})"
+
+
+def released_parts(report: dict[str, Any]) -> list[str]:
+    """The line of the text encoders a run with cached text releases (not in the frozen
+    networks' total), largest first; none for a report without them."""
+    sizes = report.get("released_gib")
+    if not sizes:
+        return []
+    parts = [f"{name} {gib:.2f}" for name, gib in sorted(sizes.items(), key=lambda kv: -kv[1])]
+    return [
+        f"text encoders released once their embeddings are cached (cache.text_embeddings), "
+        f"not counted above: {' + '.join(parts)} GiB"
+    ]
 
 
 def describe_shapes(shapes: list[dict[str, Any]], clips: bool) -> str:

@@ -9,6 +9,7 @@ and the way out; ``layout`` is the family's sentence of what the folder should h
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -143,12 +144,31 @@ class TransformerBackbone:
     def __init__(self, components: Any, options: Any = None) -> None:
         self.components = components
         self.options = options or self.options_type()
+        # texts → encodings once the text encoders are released (impasto.train.text_release)
+        self.text_table: Callable[[list[str]], Any] | None = None
+
+    def encode_text(self, captions: list[str]) -> Any:
+        """The captions' encodings: the family's ``encode_captions`` through its text
+        encoders, or the table that stands in for them after their release."""
+        if self.text_table is not None:
+            return self.text_table(captions)
+        return self.encode_captions(captions)
+
+    def encode_captions(self, captions: list[str]) -> Any:
+        raise NotImplementedError
 
     def parts(self) -> dict[str, torch.nn.Module]:
         return self.components.parts()
 
     def frozen(self) -> dict[str, torch.nn.Module]:
         return {"vae": self.components.vae}
+
+    def text_encoders(self) -> dict[str, torch.nn.Module]:
+        """The parts besides the transformer. Every text encoding of these families, in
+        training and in ``sampling_condition``, goes through ``encode_text``: a run with
+        cached text embeddings may release them (:mod:`impasto.train.text_release`)."""
+        denoiser = self.denoiser()
+        return {name: part for name, part in self.parts().items() if part is not denoiser}
 
     def modules(self) -> dict[str, torch.nn.Module]:
         return self.parts() | self.frozen()
@@ -157,7 +177,9 @@ class TransformerBackbone:
         return self.components.transformer
 
     def with_denoiser(self, denoiser: torch.nn.Module) -> Any:
-        return type(self)(replace(self.components, transformer=denoiser), self.options)
+        other = type(self)(replace(self.components, transformer=denoiser), self.options)
+        other.text_table = self.text_table  # the released encoders' table, if any
+        return other
 
     @property
     def device(self) -> torch.device:

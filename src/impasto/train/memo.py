@@ -37,6 +37,12 @@ class EncodingMemo:
         self._posteriors: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self._texts: dict[str, Any] = {}
 
+    @property
+    def texts(self) -> dict[str, Any]:
+        """Caption → its encoding's row (CPU): filled ahead of a text-encoder release too
+        (:mod:`impasto.train.text_release`)."""
+        return self._texts
+
     @classmethod
     def from_config(cls, config: Any) -> EncodingMemo:
         return cls(config.cache.latents == "memory", config.cache.text_embeddings == "memory")

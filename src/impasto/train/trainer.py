@@ -63,6 +63,7 @@ from impasto.train.step_metrics import (
     subset_means,
 )
 from impasto.train.summary import dataset_facts, report, run_clock, summary_lines
+from impasto.train.text_release import release_text_encoders
 from impasto.train.validation import ValidationGrid, render_validation_grid, validation_prompts
 
 
@@ -168,6 +169,7 @@ class Trainer:
         self.meter = IntervalMeter()
         # Read once: a prompt file edited mid-run changes neither the grids nor the ranks' lockstep.
         self.prompts = validation_prompts(config.sample) if config.sample.every_steps else []
+        release_text_encoders(setup, config, self.data, self.prompts)  # cached: issue #33
         self.state = TrainState()
         self.unsynced = UnsyncedCounts()
         self.lr = LRSchedule(setup.optimizer, config.optim, self.data.total_steps)
@@ -188,8 +190,7 @@ class Trainer:
             self.state.count_bad(item.name for item in scanned)
 
     def close(self) -> None:
-        """Hand back what the run holds: the signal handlers and the run directory's lock
-        (also when start-up failed)."""
+        """Hand back the signal handlers and the run lock (also after a failed start)."""
         self.stop.restore()
         if self.profiler is not None:
             self.profiler.stop()
@@ -489,8 +490,7 @@ class Trainer:
         return total_loss / accum, metrics, num_samples
 
     def check_bad_fraction(self) -> None:
-        """After a full epoch's worth of images (this rank's share), stop if too many were
-        unusable."""
+        """After an epoch's worth of images (this rank's share), stop if too many were unusable."""
         state, limit, shares = self.state, self.config.data.max_bad_fraction, self.group.data_world
         bad = state.images_bad + self.unsynced.bad * shares  # an estimate between syncs
         attempted = state.images_attempted + self.unsynced.attempted * shares

@@ -127,7 +127,7 @@ class FluxBackbone(TransformerBackbone):
         return channels, height // factor, width // factor
 
     # -- conditioning ---------------------------------------------------------------------
-    def encode_text(self, captions: list[str]) -> PromptEmbeds:
+    def encode_captions(self, captions: list[str]) -> PromptEmbeds:
         parts = self.components
         return encode_text(
             parts.text_encoder, parts.tokenizer, parts.text_encoder_2, parts.tokenizer_2,

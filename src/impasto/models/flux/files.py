@@ -68,6 +68,42 @@ def load_flux_folder(
     )
 
 
+TEXT_FILES = {"text_encoder": "text_encoders.clip_l.", "text_encoder_2": "text_encoders.t5xxl."}
+"""The text encoders a ``model.flux.<part>`` file may replace, each one's prefix in a whole
+checkpoint."""
+TOKENIZER_RELEASE = "tokenizer_2/ of a FLUX.1 release (spiece.model, tokenizer.json)"
+
+
+def files_only(model: Any, options: Any) -> bool:
+    """Every network comes from a single file (transformer, ``model.vae``, both encoders):
+    the preset then gives the architecture alone, its parameters on the meta device."""
+    named = (options.transformer, model.vae, options.text_encoder, options.text_encoder_2)
+    return model.path is None and all(path is not None for path in named)
+
+
+def load_text_files(components: FluxComponents, model: Any, options: Any) -> None:
+    """``model.flux.text_encoder`` (CLIP-L), ``text_encoder_2`` (T5) and ``tokenizer_2`` into
+    ``components``, in place (:mod:`impasto.models.encoder_files`)."""
+    from impasto.models.encoder_files import load_text_files as load_files
+
+    load_files(components, options, "flux", TEXT_FILES)
+    if options.tokenizer_2 is not None:
+        components.tokenizer_2 = load_t5_tokenizer(options.tokenizer_2, options.text_length)
+    elif options.text_encoder_2 is not None and model.path is None and model.preset != "tiny":
+        raise ValueError(
+            "model.flux.tokenizer_2: not set; model.flux.text_encoder_2 without model.path needs "
+            f"T5's tokenizer: set it to {TOKENIZER_RELEASE}"
+        )
+
+
+def load_t5_tokenizer(path: str | Path, text_length: int) -> Any:
+    """T5's tokenizer from the folder ``path`` (``model.flux.tokenizer_2``)."""
+    from impasto.models.encoder_files import load_tokenizer_folder
+
+    setting = "model.flux.tokenizer_2"
+    return load_tokenizer_folder(path, setting, T5Tokenizer, text_length, TOKENIZER_RELEASE)
+
+
 def save_flux_folder(components: FluxComponents, path: str | Path) -> Path:
     """Write ``components`` as a diffusers FLUX.1 folder (``FluxPipeline`` layout)."""
     from diffusers import FluxPipeline

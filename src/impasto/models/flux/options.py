@@ -16,8 +16,9 @@ DEFAULT_GUIDANCE = 3.5  # diffusers' train_dreambooth_lora_flux.py and FluxPipel
 
 
 class FluxOptions(Section):
-    """``model.flux``: FLUX.1-dev's guidance embedding in training, another transformer file,
-    T5's length. (Sampling takes its guidance value from ``sample.guidance_scale``.)"""
+    """``model.flux``: FLUX.1-dev's guidance embedding in training, the transformer's and
+    the text encoders' files, T5's tokenizer and length. (Sampling takes its guidance value
+    from ``sample.guidance_scale``.)"""
 
     guidance: Float = Field(
         DEFAULT_GUIDANCE,
@@ -32,6 +33,21 @@ class FluxOptions(Section):
         description="a .safetensors file of the transformer alone, in the original layout "
         "(Black Forest Labs' flux1-dev.safetensors, ComfyUI's, a fine-tune's) or diffusers' "
         "names, loaded into model.path's (or the preset's) architecture in place of its own",
+    )
+    text_encoder: PathStr | None = Field(
+        None,
+        description="a .safetensors file of CLIP-L alone (ComfyUI's clip_l.safetensors), loaded in "
+        "place of model.path's (or the preset's) text_encoder",
+    )
+    text_encoder_2: PathStr | None = Field(
+        None,
+        description="a .safetensors file of the T5-XXL encoder alone (t5xxl_fp16.safetensors or "
+        "t5xxl_fp8_e4m3fn.safetensors), loaded in place of text_encoder_2",
+    )
+    tokenizer_2: PathStr | None = Field(
+        None,
+        description="a folder with T5's tokenizer (tokenizer_2/ of a FLUX.1 release: spiece.model "
+        "or tokenizer.json), needed with text_encoder_2 and no model.path",
     )
     text_length: Int = Field(
         MAX_TEXT_LENGTH,

@@ -138,7 +138,7 @@ class Sd3Backbone(TransformerBackbone):
             (parts.tokenizer, parts.tokenizer_2, parts.tokenizer_3),
         )
 
-    def encode_text(self, captions: list[str]) -> PromptEmbeds:
+    def encode_captions(self, captions: list[str]) -> PromptEmbeds:
         encoders, tokenizers = self._encoders()
         return encode_text(encoders, tokenizers, captions, self.options.text_length)
 

@@ -1,7 +1,9 @@
 """Building the SD3.5 family from ``config.model``: a preset (``tiny``, or the full-size
 ``medium`` and ``large`` architectures; random, from ``model.init_seed``) or a local diffusers
 SD3.5 folder (``model.path``), with the options of ``model.sd3``; ``model.sd3.transformer``
-loads the transformer's weights from one file, ``model.vae`` swaps the VAE."""
+and ``text_encoder`` / ``_2`` / ``_3`` load a network's weights from one file each, ``model.vae``
+swaps the VAE (a separate file, or the checkpoint's ``first_stage_model.*``). With every file
+and no folder, the preset gives the architecture alone (parameters on the meta device)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,16 @@ from typing import Any
 from impasto.models.backbone import FamilySpec, register_backbone, register_family
 from impasto.models.sd3.backbone import Sd3Backbone
 from impasto.models.sd3.components import PART_NAMES, PRESETS
-from impasto.models.sd3.files import load_sd3_folder, write_diffusers_folder
+from impasto.models.sd3.files import (
+    files_only,
+    load_sd3_folder,
+    load_text_files,
+    write_diffusers_folder,
+)
 from impasto.models.sd3.lora import LORA_EXPORTS
 from impasto.models.sd3.options import Sd3Options
 from impasto.models.sd3.single_file import load_transformer_file, write_single_file
+from impasto.models.single_file.load import parameters_on_meta
 
 SPEC = FamilySpec(
     parts=PART_NAMES,
@@ -72,6 +80,9 @@ def build_sd3_backbone(config: Any) -> Sd3Backbone:
     if model.path is not None:
         own_weights = options.transformer is None
         components = load_sd3_folder(model.path, options.text_length, own_weights)
+    elif files_only(model, options):  # the preset's architecture, the files' weights
+        with parameters_on_meta():
+            components = PRESETS[model.preset](model.init_seed, options.text_length)
     else:
         components = PRESETS[model.preset](model.init_seed, options.text_length)
     if options.transformer is not None:  # a single transformer file (original layout)
@@ -80,6 +91,7 @@ def build_sd3_backbone(config: Any) -> Sd3Backbone:
         from impasto.models.vae_swap import load_vae
 
         components.vae = load_vae(model.vae, components.vae)
+    load_text_files(components, model, options)  # CLIP-L, CLIP-G, T5 files, T5's tokenizer
     return Sd3Backbone(components, options)
 
 

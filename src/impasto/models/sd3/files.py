@@ -71,6 +71,42 @@ def load_sd3_folder(
     )
 
 
+TEXT_FILES = {
+    "text_encoder": "text_encoders.clip_l.",
+    "text_encoder_2": "text_encoders.clip_g.",
+    "text_encoder_3": "text_encoders.t5xxl.",
+}
+"""The text encoders a ``model.sd3.<part>`` file may replace, each one's prefix in a whole SD3
+checkpoint."""
+TOKENIZER_RELEASE = "tokenizer_3/ of an SD3.5 release (spiece.model, tokenizer.json)"
+
+
+def files_only(model: Any, options: Any) -> bool:
+    """Every network comes from a single file (transformer, ``model.vae``, the three
+    encoders): the preset then gives the architecture alone, its parameters on meta."""
+    named = (options.transformer, model.vae, *(getattr(options, part) for part in TEXT_FILES))
+    return model.path is None and all(path is not None for path in named)
+
+
+def load_text_files(components: Sd3Components, model: Any, options: Any) -> None:
+    """``model.sd3.text_encoder`` (CLIP-L), ``text_encoder_2`` (CLIP-G), ``text_encoder_3``
+    (T5) and ``tokenizer_3`` into ``components``, in place."""
+    from impasto.models.encoder_files import load_text_files as load_files
+    from impasto.models.encoder_files import load_tokenizer_folder
+
+    load_files(components, options, "sd3", TEXT_FILES)
+    if options.tokenizer_3 is not None:
+        components.tokenizer_3 = load_tokenizer_folder(
+            options.tokenizer_3, "model.sd3.tokenizer_3", T5Tokenizer, options.text_length,
+            TOKENIZER_RELEASE,
+        )  # fmt: skip
+    elif options.text_encoder_3 is not None and model.path is None and model.preset != "tiny":
+        raise ValueError(
+            "model.sd3.tokenizer_3: not set; model.sd3.text_encoder_3 without model.path needs "
+            f"T5's tokenizer: set it to {TOKENIZER_RELEASE}"
+        )
+
+
 def sd3_pipeline(components: Sd3Components) -> Any:
     """diffusers' ``StableDiffusion3Pipeline`` over ``components`` (shared, not copied)."""
     from diffusers import StableDiffusion3Pipeline

@@ -112,7 +112,7 @@ class WanBackbone(TransformerBackbone):
         return channels, 1 + (frames - 1) // 4, height // factor, width // factor
 
     # -- conditioning ---------------------------------------------------------------------
-    def encode_text(self, captions: list[str]) -> PromptEmbeds:
+    def encode_captions(self, captions: list[str]) -> PromptEmbeds:
         parts = self.components
         length = self.options.text_length or parts.tokenizer.model_max_length
         return encode_text(parts.text_encoder, parts.tokenizer, captions, length)

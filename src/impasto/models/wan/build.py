@@ -1,8 +1,9 @@
 """Building the Wan family from ``config.model``: a preset (``tiny``, or the full-size ``1.3b``
 and ``14b`` architectures; random, from ``model.init_seed``) or a local diffusers Wan2.1-T2V
-folder (``model.path``), with the options of ``model.wan``; ``model.wan.transformer`` loads the
-transformer's weights from one file, ``model.vae`` swaps the video VAE (another
-``AutoencoderKLWan`` folder)."""
+folder (``model.path``), with the options of ``model.wan``; ``model.wan.transformer`` and
+``text_encoder`` (umT5) load a network's weights from one file each, ``model.vae`` swaps the
+video VAE (another ``AutoencoderKLWan`` folder, or ``wan_2.1_vae.safetensors``). With the three
+files and no folder, the preset gives the architecture alone (parameters on the meta device)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,17 @@ from impasto.models.backbone import (
     register_backbone,
     register_family,
 )
+from impasto.models.single_file.load import parameters_on_meta
 from impasto.models.wan.backbone import WanBackbone
 from impasto.models.wan.components import PART_NAMES, PRESETS
-from impasto.models.wan.files import load_wan_folder, write_diffusers_folder
+from impasto.models.wan.files import (
+    files_only,
+    load_text_file,
+    load_vae_setting,
+    load_wan_folder,
+    materialize_parameters,
+    write_diffusers_folder,
+)
 from impasto.models.wan.lora import LORA_EXPORTS
 from impasto.models.wan.options import MAX_TEXT_LENGTH, WanOptions
 
@@ -58,20 +67,24 @@ def build_wan_backbone(config: Any) -> WanBackbone:
     model = config.model
     options = SPEC.read_options(model.options, "wan")
     check_parts(getattr(config, "parts", None))  # sampling builds from the model section alone
+    length = options.text_length or MAX_TEXT_LENGTH
     if model.path is not None:
         components = load_wan_folder(model.path, options.text_length)
+    elif files_only(model, options):  # the preset's architecture, the files' weights
+        with parameters_on_meta():
+            components = PRESETS[model.preset](model.init_seed, length)
+        materialize_parameters(components.transformer)  # its file is copied in place
     else:
-        components = PRESETS[model.preset](model.init_seed, options.text_length or MAX_TEXT_LENGTH)
+        components = PRESETS[model.preset](model.init_seed, length)
     if options.transformer is not None:  # a single transformer file (original layout)
         from impasto.models.wan.single_file import load_transformer_file
 
         load_transformer_file(options.transformer, components.transformer)
+    load_text_file(components, model, options)  # umT5's file and tokenizer
     # the length the tokenizer pads to: the option, or the folder's own (load_wan_folder)
     options = options.model_copy(update={"text_length": components.tokenizer.model_max_length})
-    if model.vae is not None:  # another Wan 2.1 VAE folder (model.vae)
-        from impasto.models.video_autoencoder import load_video_vae
-
-        components.vae = load_video_vae(model.vae)
+    if model.vae is not None:  # another Wan 2.1 VAE: a folder or wan_2.1_vae.safetensors
+        components.vae = load_vae_setting(model.vae, components.vae)
     return WanBackbone(components, options)
 
 

@@ -70,6 +70,53 @@ def load_wan_folder(path: str | Path, text_length: int | None) -> WanComponents:
     return WanComponents(transformer, vae, text_encoder, tokenizer, wan_scheduler_config(root))
 
 
+TOKENIZER_RELEASE = "tokenizer/ of a Wan2.1 diffusers release (spiece.model, tokenizer.json)"
+
+
+def files_only(model: Any, options: Any) -> bool:
+    """Every network comes from a single file (transformer, ``model.vae``, umT5): the preset
+    then gives the architecture alone, its parameters on the meta device."""
+    named = (options.transformer, model.vae, options.text_encoder)
+    return model.path is None and all(path is not None for path in named)
+
+
+def materialize_parameters(module: torch.nn.Module) -> torch.nn.Module:
+    """``module``'s meta parameters as uninitialised CPU memory (nothing drawn), its buffers
+    left as built: ``model.wan.transformer``'s loader copies the file into them in place."""
+    for child in module.modules():
+        for name, param in list(child._parameters.items()):
+            if param is not None and param.is_meta:
+                empty = torch.empty_like(param, device="cpu")
+                child._parameters[name] = torch.nn.Parameter(empty, param.requires_grad)
+    return module
+
+
+def load_text_file(components: WanComponents, model: Any, options: Any) -> None:
+    """``model.wan.text_encoder`` (umT5) and ``model.wan.tokenizer`` into ``components``."""
+    from impasto.models.encoder_files import load_text_files, load_tokenizer_folder
+
+    load_text_files(components, options, "wan", {"text_encoder": ""})
+    if options.tokenizer is not None:
+        length = options.text_length or MAX_TEXT_LENGTH
+        components.tokenizer = load_tokenizer_folder(
+            options.tokenizer, "model.wan.tokenizer", AutoTokenizer, length, TOKENIZER_RELEASE
+        )
+    elif options.text_encoder is not None and model.path is None and model.preset != "tiny":
+        raise ValueError(
+            "model.wan.tokenizer: not set; model.wan.text_encoder without model.path needs "
+            f"umT5's tokenizer: set it to {TOKENIZER_RELEASE}"
+        )
+
+
+def load_vae_setting(path: str | Path, like: Any) -> Any:
+    """``model.vae``: a ``.safetensors`` file (:mod:`.vae_file`) or a diffusers folder."""
+    if Path(path).suffix.lower() == ".safetensors":
+        from impasto.models.wan.vae_file import load_wan_vae_file
+
+        return load_wan_vae_file(path, like)
+    return load_video_vae(path)
+
+
 def wan_pipeline(components: WanComponents) -> Any:
     """diffusers' ``WanPipeline`` over ``components`` (shared, not copied)."""
     from diffusers import WanPipeline

@@ -15,7 +15,7 @@ MAX_TEXT_LENGTH = 512  # umT5 tokens: WanPipeline's max_sequence_length default,
 
 
 class WanOptions(Section):
-    """``model.wan``: umT5's length and another transformer file."""
+    """``model.wan``: umT5's length and tokenizer, the transformer's and umT5's files."""
 
     text_length: Int | None = Field(
         None,
@@ -31,4 +31,14 @@ class WanOptions(Section):
         "(Wan-AI's / ComfyUI's blocks.N.self_attn.q ..., e.g. wan2.1_t2v_1.3B_fp16.safetensors "
         "or a fine-tune) or diffusers' names, loaded into model.path's (or the preset's) "
         "architecture in place of its own",
+    )
+    text_encoder: PathStr | None = Field(
+        None,
+        description="a .safetensors file of the umT5-XXL encoder in transformers' layout "
+        "(ComfyUI's umt5_xxl_fp16.safetensors or _fp8_e4m3fn), loaded in place of text_encoder",
+    )
+    tokenizer: PathStr | None = Field(
+        None,
+        description="a folder with umT5's tokenizer (tokenizer/ of a Wan2.1 diffusers release), "
+        "needed with text_encoder and no model.path",
     )
