@@ -130,6 +130,52 @@ def test_a_lora_run_exports_what_the_pipeline_samples_alike(tiny_raw, tmp_path):
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
+def _clip_g_outputs(encoder: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """What SD3 reads of CLIP-G: the penultimate hidden states and the pooled projection."""
+    with torch.no_grad():
+        output = encoder(ids, output_hidden_states=True)
+    return [output.hidden_states[-2], output.text_embeds]
+
+
+def test_a_clip_g_lora_loads_in_the_pipeline_to_the_trained_encoder(tiny_raw, tmp_path):
+    """A LoRA on CLIP-G alone (parts.text_encoder_2), from save_sd3_lora and from
+    ``--format lora-diffusers``: ``StableDiffusion3Pipeline.load_lora_weights`` reads its keys
+    under ``text_encoder_2.text_model.`` (the level CLIPTextModelWithProjection keeps, which
+    diffusers strips only from a model without it) into an encoder whose outputs are the
+    trained one's."""
+    from impasto.checkpoint.trained import load_trained
+    from impasto.cli import main
+    from impasto.train.trainer import train
+
+    raw = sd3_raw(tiny_raw, parts={"text_encoder_2": "lora"},
+                  lora={"rank": 4, "alpha": 8, "targets": "attention"})  # fmt: skip
+    raw["train"]["max_steps"] = 1
+    result = train(build_config(raw))
+    _, backbone = load_trained(result.last_checkpoint)
+    trained = backbone.parts()["text_encoder_2"].eval()
+    cli_out = tmp_path / "cli"
+    assert main(["export", str(result.run_dir), "--format", "lora-diffusers", "--out",
+                 str(cli_out), "--dtype", "fp32"]) == 0  # fmt: skip
+    files = {"save_sd3_lora": save_sd3_lora(backbone, tmp_path / "python"),
+             "lora-diffusers": next(cli_out.glob("*.safetensors"))}  # fmt: skip
+    pipe = sd3_pipeline(build_tiny(0, TEXT_LENGTH))  # the run's starting model (init_seed 0)
+    ids = pipe.tokenizer_2(["a red circle"], padding="max_length", max_length=77,
+                           return_tensors="pt").input_ids  # fmt: skip
+    plain = _clip_g_outputs(pipe.text_encoder_2, ids)
+    ours = _clip_g_outputs(trained, ids)
+    for source, weights in files.items():
+        with safe_open(str(weights), "pt") as file:
+            keys = set(file.keys())
+        assert len(keys) == 3 * 4 * 2, source  # 3 layers, q/k/v/out, A and B
+        assert all(key.startswith("text_encoder_2.text_model.encoder.layers.") for key in keys)
+        pipe = sd3_pipeline(build_tiny(0, TEXT_LENGTH))
+        pipe.load_lora_weights(str(weights.parent))
+        theirs = _clip_g_outputs(pipe.text_encoder_2, ids)
+        for want, got, base in zip(ours, theirs, plain, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=source)
+            assert (got - base).abs().max() > 1e-4, source  # the adapter trained and loaded
+
+
 def test_cached_latents_and_text_train_as_the_uncached_run(tiny_raw, tmp_path):
     """The disk caches of latents and of the joint text tokens (77 CLIP + T5 tokens, the pooled
     vector) feed each step what it computes without them: the same losses and gradient norms,

@@ -10,7 +10,16 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from impasto.models.transformer_lora import OriginalLayer, fuse_lora, to_kohya_layers
+from impasto.models.transformer_lora import (
+    OriginalLayer,
+    TransformerLora,
+    check_exported,
+    exported_key,
+    fold_scale,
+    fuse_lora,
+    lora_exports,
+    to_kohya_layers,
+)
 from impasto.models.transformer_single_file import (
     TransformerFile,
     count_blocks,
@@ -134,3 +143,40 @@ def test_fused_layers_stack_into_one_lora_with_each_parts_exact_update():
     assert kohya["lora_unet_blocks_0_mod.alpha"].item() == 3.0
     same = fuse_lora({"q": factors["q"]}, ("q", "k"), [width, width])
     assert torch.equal(same[1][width:], torch.zeros(width, rank))
+
+
+TOY_LORA = TransformerLora(
+    family="toy", parts=("transformer", "text_encoder_2"), pipeline="ToyPipeline",
+    header=lambda config, metadata: metadata,
+)  # fmt: skip
+
+
+def test_lora_checks_scale_and_names_as_the_family_says():
+    """A family without kohya names gets lora-diffusers only; a foreign part and a run with no
+    adapter are one line in its words; alpha/rank goes into lora_B only; every CLIP encoder's
+    keys get the text_model. level (CLIP-G's too), the transformer's stay as they are."""
+    assert set(lora_exports(TOY_LORA)) == {"lora-diffusers"}
+    with_kohya = TransformerLora("toy", ("transformer",), "ToyPipeline", TOY_LORA.header,
+                                 kohya=lambda config, state, alpha: {})  # fmt: skip
+    assert set(lora_exports(with_kohya)) == {"lora-diffusers", "lora-kohya"}
+    weights = {"blocks.0.q.lora_A.weight": torch.ones(2, 3)}
+    with pytest.raises(
+        ValueError, match=r"^export: parts.unet takes no adapter in the toy family$"
+    ):
+        check_exported({"transformer": weights, "unet": weights}, TOY_LORA)
+    message = (r"^export: the run trained no transformer or text_encoder_2 adapter "
+               r"\(parts.transformer, parts.text_encoder_2\)$")  # fmt: skip
+    for states in ({}, {"transformer": {}}):
+        with pytest.raises(ValueError, match=message):
+            check_exported(states, TOY_LORA)
+    check_exported({"text_encoder_2": weights}, TOY_LORA)  # one part with an adapter is enough
+
+    state = {"q.lora_A.weight": torch.full((2, 3), 3.0), "q.lora_B.weight": torch.ones(4, 2)}
+    scaled = fold_scale(state, 0.5)
+    assert torch.equal(scaled["q.lora_A.weight"], state["q.lora_A.weight"])
+    assert torch.equal(scaled["q.lora_B.weight"], torch.full((4, 2), 0.5))
+    layer = "encoder.layers.0.self_attn.q_proj.lora_A.weight"
+    assert exported_key("text_encoder", layer) == f"text_model.{layer}"
+    assert exported_key("text_encoder_2", layer) == f"text_model.{layer}"
+    assert exported_key("text_encoder_2", f"text_model.{layer}") == f"text_model.{layer}"
+    assert exported_key("transformer", "blocks.0.q.lora_A.weight") == "blocks.0.q.lora_A.weight"

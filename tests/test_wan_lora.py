@@ -267,6 +267,25 @@ def test_kohya_names_refuse_what_is_not_a_blocks_plain_lora():
             to_kohya({key: down}, 4.0)
 
 
+@pytest.mark.parametrize("fmt", ["lora-diffusers", "lora-comfyui", "lora-kohya"])
+def test_lora_exports_refuse_another_part_or_none_in_one_line(clips, tmp_path, fmt):
+    from impasto.models.wan.lora import LORA_EXPORTS
+
+    config = build_config(wan_raw(clips, tmp_path / "run"))
+    out = tmp_path / ("lora" if fmt == "lora-diffusers" else "lora.safetensors")
+    weights = {"blocks.0.attn1.to_q.lora_A.weight": torch.ones(4, 24)}
+    cases = [
+        ({"transformer": weights, "text_encoder": weights},
+         "export: parts.text_encoder takes no adapter in the wan family"),
+        ({}, "export: the run trained no transformer adapter (parts.transformer)"),
+        ({"transformer": {}}, "export: the run trained no transformer adapter (parts.transformer)"),
+    ]  # fmt: skip
+    for states, message in cases:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            LORA_EXPORTS[fmt](config, states, out, torch.float32, {})
+    assert not out.exists()
+
+
 def _sample_grid(model: Path, out: Path) -> np.ndarray:
     from impasto.cli import main
 

@@ -55,8 +55,23 @@ class TransformerLora:
     pipeline: str  # diffusers' pipeline class whose save_lora_weights writes the layout
     # ``metadata`` (an SDXL-shaped LoRA header) with the family's values, for the run's config
     header: Callable[[Any, dict[str, str]], dict[str, str]]
-    # the run's config, the transformer's peft LoRA weights and alpha → its kohya entries
-    kohya: Callable[[Any, dict[str, Tensor], float], dict[str, Tensor]]
+    # the run's config, the transformer's peft LoRA weights and alpha → its kohya entries;
+    # None: the family writes its kohya layout itself (:func:`lora_exports` leaves it out)
+    kohya: Callable[[Any, dict[str, Tensor], float], dict[str, Tensor]] | None = None
+
+
+def exported_key(part: str, key: str) -> str:
+    """A peft key of ``part``'s adapter as exported: a CLIP encoder's with the ``text_model.``
+    level (CLIP-L and CLIP-G alike; a no-op where the model keeps the level)."""
+    return key if part == "transformer" else clip_text_model_key(key)
+
+
+def fold_scale(state: Mapping[str, Tensor], scale: float) -> dict[str, Tensor]:
+    """``state`` with the LoRA scale alpha/rank multiplied into its ``lora_B`` weights."""
+    return {
+        key: tensor * scale if key.endswith("lora_B.weight") else tensor
+        for key, tensor in state.items()
+    }
 
 
 def adapter_state(module: torch.nn.Module, part: str) -> Adapter | None:
@@ -74,15 +89,10 @@ def adapter_state(module: torch.nn.Module, part: str) -> Adapter | None:
         )
     if config.rank_pattern or config.alpha_pattern:
         raise ValueError(f"parts.{part}: per-layer ranks or alphas are not exported")
-    scale = config.lora_alpha / config.r
-    state = {}
-    for key, tensor in peft.get_peft_model_state_dict(module, adapter_name=ADAPTER_NAME).items():
-        tensor = tensor.detach().to("cpu", torch.float32)
-        if key.endswith("lora_B.weight"):
-            tensor = tensor * scale
-        if part == "text_encoder":
-            key = clip_text_model_key(key)
-        state[key] = tensor.contiguous()
+    weights = peft.get_peft_model_state_dict(module, adapter_name=ADAPTER_NAME)
+    weights = {key: tensor.detach().to("cpu", torch.float32) for key, tensor in weights.items()}
+    scaled = fold_scale(weights, config.lora_alpha / config.r)
+    state = {exported_key(part, key): tensor.contiguous() for key, tensor in scaled.items()}
     metadata = config.to_dict()
     metadata["lora_alpha"] = config.r  # the scale is in lora_B
     return state, metadata
@@ -116,10 +126,15 @@ def save_lora(parts: Mapping[str, torch.nn.Module], out: str | Path, lora: Trans
     return save_lora_weights(lora.pipeline, Path(out), adapters, lora.parts)
 
 
-def _check_exported(states: Mapping[str, Any], lora: TransformerLora) -> None:
+def check_exported(states: Mapping[str, Any], lora: TransformerLora) -> None:
+    """A one-line error for a part that takes no adapter, or for no adapter at all."""
     for part in states:
         if part not in lora.parts:
             raise ValueError(f"export: parts.{part} takes no adapter in the {lora.family} family")
+    if not any(states.get(part) for part in lora.parts):
+        names = " or ".join(lora.parts)
+        where = ", ".join(f"parts.{part}" for part in lora.parts)
+        raise ValueError(f"export: the run trained no {names} adapter ({where})")
 
 
 def lora_scale(config: Any) -> tuple[int, float]:
@@ -135,15 +150,11 @@ def write_lora_diffusers(
     """``impasto export --format lora-diffusers``: ``OUT/pytorch_lora_weights.safetensors``
     (module docstring) in ``dtype``, written by the family's pipeline, then given the run's
     header."""
-    _check_exported(states, lora)
+    check_exported(states, lora)
     rank, alpha = lora_scale(config)
     adapters: dict[str, Adapter | None] = {}
     for part, state in states.items():
-        scaled = {}
-        for key, tensor in state.items():
-            if key.endswith("lora_B.weight"):
-                tensor = tensor * (alpha / rank)
-            scaled[key if part == "transformer" else clip_text_model_key(key)] = tensor
+        scaled = {exported_key(part, key): t for key, t in fold_scale(state, alpha / rank).items()}
         modules = sorted({key.partition(".lora_")[0] for key in state})
         lora_config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules)
         adapters[part] = scaled, lora_config.to_dict()
@@ -160,7 +171,8 @@ def write_lora_kohya(
     dtype: torch.dtype, metadata: dict[str, str],
 ) -> Path:  # fmt: skip
     """``impasto export --format lora-kohya``: one ``.safetensors`` (module docstring)."""
-    _check_exported(states, lora)
+    check_exported(states, lora)
+    assert lora.kohya is not None, "lora_exports registers this writer only with kohya names"
     out = Path(out)
     if out.suffix != ".safetensors":
         raise ValueError(f"export: {out}: a kohya LoRA is one file; give a .safetensors name")
@@ -177,11 +189,12 @@ def write_lora_kohya(
 
 
 def lora_exports(lora: TransformerLora) -> dict[str, Callable[..., Path]]:
-    """``impasto export --format`` → writer of the family's LoRA (``FamilySpec.lora_exports``)."""
-    return {
-        "lora-diffusers": partial(write_lora_diffusers, lora),
-        "lora-kohya": partial(write_lora_kohya, lora),
-    }
+    """``impasto export --format`` → writer of the family's LoRA (``FamilySpec.lora_exports``):
+    ``lora-diffusers``, and ``lora-kohya`` where the family gives its kohya names."""
+    writers = {"lora-diffusers": partial(write_lora_diffusers, lora)}
+    if lora.kohya is not None:
+        writers["lora-kohya"] = partial(write_lora_kohya, lora)
+    return writers
 
 
 # -- kohya's names: the original layout's modules, fused layers stacked ----------------------

@@ -43,10 +43,8 @@ from torch import Tensor
 from impasto.models.flux.backbone import FluxBackbone
 from impasto.models.flux.single_file import DOUBLE_LINEARS, SINGLE_LINEARS, variant_of_model
 from impasto.models.transformer_lora import (
-    LORA_FILE,  # noqa: F401  (wan/lora.py imports it from here)
     OriginalLayer,
     TransformerLora,
-    adapter_state,  # noqa: F401  (wan/lora.py imports it from here)
     lora_exports,
     save_lora,
     to_kohya_layers,

@@ -22,7 +22,9 @@ The first two fold the LoRA scale alpha/rank into the ``lora_B`` weights (the sa
 config's alpha set to its rank; no ``.alpha`` tensor), as the FLUX and SD3 exports do, so
 every loader applies the trained strength; ``lora-kohya`` keeps the weights as trained and the
 run's alpha beside them, as musubi-tuner writes them. Kinds other than plain LoRA (DoRA, LoHa,
-LoKr) are refused with one line.
+LoKr) are refused with one line. ``lora-diffusers`` and the checks are the steps every
+transformer family shares (:mod:`impasto.models.transformer_lora`); this module holds Wan's
+names, header values and the two single-file layouts.
 """
 
 from __future__ import annotations
@@ -30,18 +32,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import peft
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import Tensor
 
-from impasto.models.flux.lora import LORA_FILE, adapter_state
 from impasto.models.single_file.stream import write_safetensors
+from impasto.models.transformer_lora import (
+    OriginalLayer,
+    TransformerLora,
+    check_exported,
+    fold_scale,
+    lora_exports,
+    lora_scale,
+    save_lora,
+    to_kohya_layers,
+)
 from impasto.models.wan.backbone import WanBackbone
 
 EXPORTED_PARTS = ("transformer",)  # umT5 trains frozen only
-KOHYA_PREFIX = "lora_unet_"  # musubi-tuner's (kohya's) prefix of the transformer's layers
 KOHYA_NETWORK_MODULE = "networks.lora_wan"  # musubi-tuner's Wan LoRA module
 IMPLEMENTATION = "https://github.com/Wan-Video/Wan2.1"
 
@@ -57,42 +64,31 @@ ORIGINAL_LAYERS = {
 }  # fmt: skip
 
 
-def _save_diffusers(root: Path, adapter: tuple[dict, dict]) -> Path:
-    from diffusers import WanPipeline
-
-    root.mkdir(parents=True, exist_ok=True)
-    WanPipeline.save_lora_weights(
-        str(root), transformer_lora_layers=adapter[0],
-        transformer_lora_adapter_metadata=adapter[1], safe_serialization=True,
-    )  # fmt: skip
-    return root / LORA_FILE
-
-
 def save_wan_lora(backbone: WanBackbone, out: str | Path) -> Path:
     """Write the transformer's adapter to the folder ``out`` in diffusers' Wan LoRA layout;
     returns the weights file."""
-    adapter = adapter_state(backbone.denoiser(), "transformer")
-    if adapter is None:
-        raise ValueError("no adapter to export: the run trained no part with lora")
-    return _save_diffusers(Path(out), adapter)
+    return save_lora(backbone.parts(), out, LORA)
 
 
-def _lora_module(key: str) -> tuple[str, str]:
-    """``(Wan's original module, "A" | "B")`` of a peft key of the transformer
-    (``blocks.0.attn1.to_q.lora_A.weight`` → ``blocks.0.self_attn.q``, ``"A"``)."""
-    module, _, suffix = key.partition(".lora_")
+def original_module(module: str) -> str:
+    """A diffusers module of the transformer's blocks (``blocks.0.attn1.to_q``) → Wan's
+    original (``blocks.0.self_attn.q``)."""
     blocks, _, rest = module.partition(".")
     index, _, layer = rest.partition(".")
-    if blocks != "blocks" or layer not in ORIGINAL_LAYERS or suffix not in ("A.weight", "B.weight"):
-        raise ValueError(f"export: {key} is not a plain LoRA weight of a Wan block's linear layer")
-    return f"blocks.{index}.{ORIGINAL_LAYERS[layer]}", suffix[0]
+    if blocks != "blocks" or layer not in ORIGINAL_LAYERS:
+        raise ValueError(
+            f"export: {module} is not a plain LoRA weight of a Wan block's linear layer"
+        )
+    return f"blocks.{index}.{ORIGINAL_LAYERS[layer]}"
 
 
 def original_key(key: str) -> str:
     """A peft key of the transformer (``blocks.0.attn1.to_q.lora_A.weight``) → Wan's original
     name under ``diffusion_model.`` (``diffusion_model.blocks.0.self_attn.q.lora_A.weight``)."""
-    module, which = _lora_module(key)
-    return f"diffusion_model.{module}.lora_{which}.weight"
+    module, _, suffix = key.partition(".lora_")
+    if suffix not in ("A.weight", "B.weight"):
+        raise ValueError(f"export: {key} is not a plain LoRA weight of a Wan block's linear layer")
+    return f"diffusion_model.{original_module(module)}.lora_{suffix}"
 
 
 def to_comfyui(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -103,18 +99,12 @@ def to_comfyui(state: dict[str, Tensor]) -> dict[str, Tensor]:
 def to_kohya(state: dict[str, Tensor], alpha: float) -> dict[str, Tensor]:
     """The transformer's LoRA weights (unscaled) → the ``lora-kohya`` entries: musubi-tuner's
     ``lora_unet_<original name, "." as "_">`` with ``.lora_down.weight`` (A),
-    ``.lora_up.weight`` (B) and the run's ``.alpha``."""
-    kohya = {}
-    for key, tensor in state.items():
-        module, which = _lora_module(key)
-        name = KOHYA_PREFIX + module.replace(".", "_")
-        kohya[f"{name}.lora_{'down' if which == 'A' else 'up'}.weight"] = tensor.contiguous()
-        kohya[f"{name}.alpha"] = torch.tensor(alpha)
-    return kohya
+    ``.lora_up.weight`` (B) and the run's ``.alpha`` (Wan fuses no layers)."""
+    return to_kohya_layers(state, alpha, lambda module: OriginalLayer(original_module(module), ""))
 
 
 # -- impasto export --format lora-* (FamilySpec.lora_exports) --------------------------------
-def wan_metadata(config: Any, metadata: dict[str, str], alpha_in_weights: bool) -> dict[str, str]:
+def wan_metadata(config: Any, metadata: dict[str, str]) -> dict[str, str]:
     """``metadata`` (an SDXL-shaped LoRA header) with Wan's values."""
     return {
         **metadata,
@@ -124,32 +114,12 @@ def wan_metadata(config: Any, metadata: dict[str, str], alpha_in_weights: bool) 
         "ss_network_module": KOHYA_NETWORK_MODULE,
         "ss_discrete_flow_shift": repr(float(config.objective.flow_shift)),
         "ss_model_prediction_type": "raw",
-        "impasto.lora_alpha_in_weights": str(alpha_in_weights).lower(),
     }
 
 
-def _transformer_state(
-    config: Any, states: dict[str, dict[str, Tensor]]
-) -> tuple[dict, int, float]:
-    """``(the transformer's peft LoRA weights, rank, alpha)``; a one-line error for another
-    part or none."""
-    for part in states:
-        if part not in EXPORTED_PARTS:
-            raise ValueError(f"export: parts.{part} takes no adapter in the wan family")
-    state = states.get("transformer")
-    if not state:
-        raise ValueError("export: the run trained no transformer adapter (parts.transformer)")
-    lora = config.lora
-    return state, lora.rank, float(lora.rank if lora.alpha is None else lora.alpha)
-
-
-def _scaled(config: Any, states: dict[str, dict[str, Tensor]]) -> tuple[dict, int]:
-    state, rank, alpha = _transformer_state(config, states)
-    scaled = {
-        key: tensor * (alpha / rank) if key.endswith("lora_B.weight") else tensor
-        for key, tensor in state.items()
-    }
-    return scaled, rank
+LORA = TransformerLora(
+    family="wan", parts=EXPORTED_PARTS, pipeline="WanPipeline", header=wan_metadata
+)  # its kohya layout (musubi-tuner's) is written below: unscaled weights, its own header
 
 
 def _one_file(out: Path, layout: str) -> Path:
@@ -160,33 +130,17 @@ def _one_file(out: Path, layout: str) -> Path:
     return out
 
 
-def write_lora_diffusers(
-    config: Any, states: dict[str, dict[str, Tensor]], out: Path, dtype: torch.dtype,
-    metadata: dict[str, str],
-) -> Path:  # fmt: skip
-    """``impasto export --format lora-diffusers``: ``OUT/pytorch_lora_weights.safetensors``
-    (module docstring) in ``dtype``, written by ``WanPipeline.save_lora_weights``, then given
-    the run's header."""
-    scaled, rank = _scaled(config, states)
-    modules = sorted({key.partition(".lora_")[0] for key in scaled})
-    lora_config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules)
-    file = _save_diffusers(Path(out), (scaled, lora_config.to_dict()))
-    with safe_open(str(file), "pt") as handle:
-        own = handle.metadata() or {}
-    header = {**own, **wan_metadata(config, metadata, alpha_in_weights=True)}
-    write_safetensors(file, load_file(str(file)), dtype=dtype, metadata=header)
-    return file
-
-
 def write_lora_comfyui(
     config: Any, states: dict[str, dict[str, Tensor]], out: Path, dtype: torch.dtype,
     metadata: dict[str, str],
 ) -> Path:  # fmt: skip
     """``impasto export --format lora-comfyui``: one ``.safetensors`` (module docstring)."""
     out = _one_file(out, "ComfyUI")
-    scaled, _ = _scaled(config, states)
-    header = wan_metadata(config, metadata, alpha_in_weights=True)
-    write_safetensors(out, to_comfyui(scaled), dtype=dtype, metadata=header)
+    check_exported(states, LORA)
+    rank, alpha = lora_scale(config)
+    header = {**wan_metadata(config, metadata), "impasto.lora_alpha_in_weights": "true"}
+    entries = to_comfyui(fold_scale(states["transformer"], alpha / rank))
+    write_safetensors(out, entries, dtype=dtype, metadata=header)
     return out
 
 
@@ -196,14 +150,15 @@ def write_lora_kohya(
 ) -> Path:  # fmt: skip
     """``impasto export --format lora-kohya``: one ``.safetensors`` (module docstring)."""
     out = _one_file(out, "kohya")
-    state, _, alpha = _transformer_state(config, states)
-    header = wan_metadata(config, metadata, alpha_in_weights=False)
-    write_safetensors(out, to_kohya(state, alpha), dtype=dtype, metadata=header)
+    check_exported(states, LORA)
+    _, alpha = lora_scale(config)
+    header = {**wan_metadata(config, metadata), "impasto.lora_alpha_in_weights": "false"}
+    write_safetensors(out, to_kohya(states["transformer"], alpha), dtype=dtype, metadata=header)
     return out
 
 
 LORA_EXPORTS = {
-    "lora-diffusers": write_lora_diffusers,
+    **lora_exports(LORA),
     "lora-comfyui": write_lora_comfyui,
     "lora-kohya": write_lora_kohya,
 }
