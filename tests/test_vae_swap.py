@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from impasto.config import build_config
-from impasto.models import build_tiny, load_model
+from impasto.models import build_tiny, load_model, vae_swap
 from impasto.models.single_file import sgm_state_dict
 from impasto.models.single_file.keymap import VAE_PREFIX
 from impasto.models.vae_swap import load_vae
@@ -69,6 +73,49 @@ def test_a_file_with_original_names(tiny, other_vae, tmp_path: Path, prefix: str
     path = tmp_path / "sdxl_vae.safetensors"
     save_file(ldm_tensors(tiny, other_vae, prefix), path)
     assert_same_weights(other_vae, load_vae(path, tiny.vae))
+
+
+class ReadRecorder:
+    """A safetensors handle that notes every tensor read from it."""
+
+    def __init__(self, handle: Any, read: list[str]) -> None:
+        self.handle, self.read = handle, read
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        self.read.append(name)
+        return self.handle.get_tensor(name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
+
+
+@pytest.mark.parametrize("layout", ["original", "diffusers"])
+def test_a_whole_checkpoint_gives_its_vae_and_reads_nothing_else(
+    tiny, other_vae, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+):
+    """An all-in-one file (SD3.5's: the VAE beside the transformer and text encoders) loads
+    the same VAE as the VAE alone, reading the VAE's tensors only (16 GB → ~160 MB)."""
+    if layout == "original":
+        vae_tensors = ldm_tensors(tiny, other_vae, "first_stage_model.")
+    else:
+        vae_tensors = {k: v.contiguous() for k, v in other_vae.state_dict().items()}
+    others = {
+        "model.diffusion_model.x_embedder.proj.weight": torch.randn(8, 16, 2, 2),
+        "text_encoders.clip_l.transformer.text_model.final_layer_norm.weight": torch.ones(8),
+        "first_stage_model.loss.logvar": torch.zeros(()),  # in the prefix, not the VAE
+    }
+    path = tmp_path / "sd3.5_all_in_one.safetensors"
+    save_file({**vae_tensors, **others}, path)
+    read: list[str] = []
+
+    @contextmanager
+    def recording_open(*args: Any, **kwargs: Any) -> Iterator[ReadRecorder]:
+        with safe_open(*args, **kwargs) as handle:
+            yield ReadRecorder(handle, read)
+
+    monkeypatch.setattr(vae_swap, "safe_open", recording_open)
+    assert_same_weights(other_vae, load_vae(path, tiny.vae))
+    assert sorted(read) == sorted(vae_tensors)
 
 
 def test_model_vae_replaces_the_models_own(other_vae, tmp_path: Path):

@@ -90,3 +90,35 @@ def test_a_file_of_another_model_is_one_line(tiny_raw, tmp_path):
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match=r"model.wan.transformer"):
         build_backbone(build_config(model_raw(tiny_raw, str(tmp_path / "none.safetensors"))))
+
+
+def test_a_file_loads_into_a_transformer_built_on_the_meta_device(tmp_path):
+    """The files-only build: the preset's architecture on the meta device takes the file's
+    tensors (assigned, float32, nothing allocated before), and runs as the source does."""
+    from impasto.models.single_file.load import parameters_on_meta
+    from impasto.models.wan.components import TINY_TEXT_WIDTH
+    from impasto.models.wan.single_file import load_transformer_file
+
+    source = build_tiny(7, TEXT_LENGTH).transformer
+    file = tmp_path / "wan2.1_t2v_tiny_fp16.safetensors"
+    save_file({original_name(k): t.half() for k, t in source.state_dict().items()}, str(file))
+    with parameters_on_meta():
+        transformer = build_tiny(0, TEXT_LENGTH).transformer
+    assert all(param.is_meta for param in transformer.parameters())
+    load_transformer_file(file, transformer)
+    assert [name for name, param in transformer.named_parameters() if param.is_meta] == []
+    assert all(t.device.type == "cpu" for t in [*transformer.parameters(), *transformer.buffers()])
+    loaded = transformer.state_dict()
+    assert loaded.keys() == source.state_dict().keys()
+    for key, tensor in source.state_dict().items():
+        assert loaded[key].dtype == torch.float32, key
+        torch.testing.assert_close(loaded[key], tensor.half().float(), rtol=0, atol=0, msg=key)
+    assert all(param.requires_grad for param in transformer.parameters())
+    source.load_state_dict({key: tensor.half().float() for key, tensor in loaded.items()})
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 16, 2, 4, 4, generator=generator)
+    text = torch.randn(1, TEXT_LENGTH, TINY_TEXT_WIDTH, generator=generator)
+    inputs = {"hidden_states": latents, "timestep": torch.tensor([500]),
+              "encoder_hidden_states": text, "return_dict": False}  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(transformer(**inputs)[0], source(**inputs)[0], rtol=0, atol=0)

@@ -3,14 +3,16 @@ local diffusers folder (``model.path``) offline, in float32, safetensors weights
 weights can run code when loaded): each network from its subfolder, each tokenizer, the
 scheduler's config, or the transformer's architecture alone on the meta device (its weights
 then come from a single file). Every problem is one line naming ``model.path``, the subfolder
-and the way out; ``layout`` is the family's sentence of what the folder should hold.
+and the way out; ``layout`` is the family's sentence of what the folder should hold. Also the
+outline every such family builds its components by (:func:`build_components`, from the
+family's :class:`FamilyBuild`) and the networks part of its backbone.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,68 @@ def check_folder(root: Path, family_files: str, transformer_setting: str, layout
         )
     if not root.is_dir():
         raise ValueError(f"{SETTING} {root}: not a folder; {layout}")
+
+
+def swap_vae(path: str | Path, like: Any) -> Any:
+    """``model.vae`` in place of the image VAE ``like`` (:func:`.vae_swap.load_vae`)."""
+    from impasto.models.vae_swap import load_vae
+
+    return load_vae(path, like)
+
+
+@dataclass(frozen=True)
+class FamilyBuild:
+    """One family's steps in :func:`build_components`, and the wording of its messages."""
+
+    family: str  # the config's name: model.<family> holds its options
+    spec: Any  # its FamilySpec, which reads and checks those options
+    frozen_part: str  # the part that may only be frozen (the T5 encoder) ...
+    frozen_name: str  # ... as the message names it: "T5"
+    frozen_way_out: str  # the message's advice after "frozen": "or train parts.text_encoder"
+    load_folder: Callable[[Any, Any], Any]  # (model.path, options) → components
+    build_preset: Callable[[Any, Any], Any]  # (config.model, options) → components
+    files_only: Callable[[Any, Any], bool]  # (config.model, options): every network from a file
+    load_transformer_file: Callable[[Any, torch.nn.Module], None]  # into it, in place
+    load_text_files: Callable[[Any, Any, Any], None]  # (components, config.model, options)
+    load_vae: Callable[[Any, Any], Any]  # (model.vae, the components' VAE) → a VAE
+
+
+def check_parts(parts: Any, build: FamilyBuild) -> None:
+    """``parts.<frozen_part>`` may only be frozen: a one-line error otherwise (None: the config
+    has no parts section, as sampling's)."""
+    if parts is None:
+        return
+    name, mode = build.frozen_part, parts.mode(build.frozen_part)
+    if mode != "frozen":
+        raise ValueError(
+            f"parts.{name}: {mode}, but the {build.family} family trains {build.frozen_name} "
+            f"frozen only; set parts.{name}: frozen ({build.frozen_way_out})"
+        )
+
+
+def build_components(config: Any, build: FamilyBuild) -> tuple[Any, Any]:
+    """``(components, options)`` of ``config.model``: the folder ``model.path`` or the preset,
+    then the transformer file, ``model.vae`` and the text encoders' files. With every network
+    from a file and no folder, the preset gives the architecture alone, its parameters on the
+    meta device (nothing initialised); the files' tensors are assigned to them."""
+    from impasto.models.single_file.load import parameters_on_meta
+
+    model = config.model
+    options = build.spec.read_options(model.options, build.family)
+    check_parts(getattr(config, "parts", None), build)  # sampling builds from the model alone
+    if model.path is not None:
+        components = build.load_folder(model.path, options)
+    elif build.files_only(model, options):  # the preset's architecture, the files' weights
+        with parameters_on_meta():
+            components = build.build_preset(model, options)
+    else:
+        components = build.build_preset(model, options)
+    if options.transformer is not None:  # a single transformer file (original layout)
+        build.load_transformer_file(options.transformer, components.transformer)
+    if model.vae is not None:  # another VAE of the same latent space
+        components.vae = build.load_vae(model.vae, components.vae)
+    build.load_text_files(components, model, options)  # the encoders' files, T5's tokenizer
+    return components, options
 
 
 class TransformerBackbone:

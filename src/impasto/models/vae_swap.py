@@ -18,11 +18,14 @@ file, another kind of file, missing tensors, wrong shapes) is one line naming ``
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import AutoencoderKL
-from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+from diffusers.loaders.single_file_utils import LDM_VAE_KEYS, convert_ldm_vae_checkpoint
 from safetensors import SafetensorError, safe_open
 
 from impasto.models.single_file.file_errors import check_safetensors, missing_error
@@ -33,6 +36,7 @@ DIFFUSERS_KEY = "encoder.down_blocks.0.resnets.0.conv1.weight"
 LDM_KEY = "encoder.down.0.block.0.conv1.weight"  # after a first_stage_model. / vae. prefix
 LDM_PREFIXES = ("", "first_stage_model.", "vae.")
 CONFIG_NAME = "config.json"
+LDM_VAE_PARTS = {"encoder", "decoder", "quant_conv", "post_quant_conv"}  # under the prefix
 
 
 def _error(path: Path, problem: str) -> ValueError:
@@ -76,19 +80,15 @@ def _load_folder(path: Path) -> AutoencoderKL:
 
 def _load_file(path: Path, like: AutoencoderKL) -> AutoencoderKL:
     check_safetensors(path, SETTING)  # unreadable, not safetensors, truncated, corrupt
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError) as error:
-        raise _error(path, f"cannot read it as safetensors ({_first_line(error)})") from None
+    with _opened(path) as handle:  # the names first, then only the VAE's tensors
+        metadata, names = handle.metadata() or {}, set(handle.keys())
     config = json.loads(metadata[CONFIG_KEY]) if CONFIG_KEY in metadata else dict(like.config)
     with torch.random.fork_rng(devices=[]):
         vae = AutoencoderKL.from_config(config)
-    if DIFFUSERS_KEY in tensors:
-        state = tensors
-    elif any(prefix + LDM_KEY in tensors for prefix in LDM_PREFIXES):
-        state = convert_ldm_vae_checkpoint(tensors, vae.config)
+    if DIFFUSERS_KEY in names:
+        state = _read_tensors(path, [key for key in vae.state_dict() if key in names])
+    elif any(prefix + LDM_KEY in names for prefix in LDM_PREFIXES):
+        state = convert_ldm_vae_checkpoint(_read_tensors(path, ldm_vae_names(names)), vae.config)
     else:
         raise _error(path, "not a VAE: it has neither diffusers nor original (LDM) VAE names")
     expected = vae.state_dict()
@@ -106,6 +106,36 @@ def _load_file(path: Path, like: AutoencoderKL) -> AutoencoderKL:
                          f"{tuple(tensor.shape)}; is it a VAE of another model?")  # fmt: skip
     vae.load_state_dict({key: state[key].float() for key in expected}, strict=True)
     return vae
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """The file's safetensors handle (its header read, no tensor yet); a one-line error."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            yield handle
+    except (SafetensorError, OSError) as error:
+        raise _error(path, f"cannot read it as safetensors ({_first_line(error)})") from None
+
+
+def _read_tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of the file and no other: of a whole checkpoint (an SD3.5 file of
+    16 GB), its VAE's ~160 MB."""
+    with _opened(path) as handle:
+        return {name: handle.get_tensor(name) for name in names}
+
+
+def ldm_vae_names(names: set[str]) -> list[str]:
+    """The VAE's tensors among ``names`` in the original layout: the encoder, the decoder and
+    their quant convs, under the prefix diffusers' ``convert_ldm_vae_checkpoint`` takes (the
+    last of ``LDM_VAE_KEYS`` found, else none); a checkpoint's other networks are left."""
+    found = [key for key in LDM_VAE_KEYS if any(name.startswith(key) for name in names)]
+    prefix = found[-1] if found else ""
+    return sorted(
+        name
+        for name in names
+        if name.startswith(prefix) and name[len(prefix) :].split(".")[0] in LDM_VAE_PARTS
+    )
 
 
 def _first_line(error: BaseException) -> str:

@@ -21,7 +21,7 @@ from impasto.models.flux.files import (
 from impasto.models.flux.lora import LORA_EXPORTS
 from impasto.models.flux.options import FluxOptions
 from impasto.models.flux.single_file import load_transformer_file
-from impasto.models.single_file.load import parameters_on_meta
+from impasto.models.transformer_families import FamilyBuild, build_components, swap_vae
 
 SPEC = FamilySpec(
     parts=PART_NAMES,
@@ -32,44 +32,27 @@ SPEC = FamilySpec(
     pipelines={"FluxPipeline": {"prediction_type": "flow"}},  # FLUX.1-dev, -schnell folders
 )
 
-FROZEN_ONLY = ("text_encoder_2",)  # T5-XXL: 4.7 B parameters read once per caption
-
-
-def check_parts(parts: Any) -> None:
-    """``parts.text_encoder_2`` (T5) may only be frozen: a one-line error otherwise."""
-    if parts is None:
-        return
-    for name in FROZEN_ONLY:
-        mode = parts.mode(name)
-        if mode != "frozen":
-            raise ValueError(
-                f"parts.{name}: {mode}, but the flux family trains T5 frozen only; set "
-                f"parts.{name}: frozen (or train parts.text_encoder, CLIP-L)"
-            )
+BUILD = FamilyBuild(
+    family="flux",
+    spec=SPEC,
+    frozen_part="text_encoder_2",  # T5-XXL: 4.7 B parameters read once per caption
+    frozen_name="T5",
+    frozen_way_out="or train parts.text_encoder, CLIP-L",
+    load_folder=lambda path, options: load_flux_folder(
+        path, options.text_length, transformer_weights=options.transformer is None
+    ),
+    build_preset=lambda model, options: PRESETS[model.preset](model.init_seed, options.text_length),
+    files_only=files_only,
+    load_transformer_file=load_transformer_file,
+    load_text_files=load_text_files,  # CLIP-L, T5 files and T5's tokenizer
+    load_vae=swap_vae,  # another 16-channel VAE (model.vae; ae.safetensors)
+)
 
 
 @register_backbone("flux")
 def build_flux_backbone(config: Any) -> FluxBackbone:
     """FLUX.1 of ``config.model``: a preset or a diffusers folder."""
-    model = config.model
-    options = SPEC.read_options(model.options, "flux")
-    check_parts(getattr(config, "parts", None))  # sampling builds from the model section alone
-    if model.path is not None:
-        own_weights = options.transformer is None
-        components = load_flux_folder(model.path, options.text_length, own_weights)
-    elif files_only(model, options):  # the preset's architecture, the files' weights
-        with parameters_on_meta():
-            components = PRESETS[model.preset](model.init_seed, options.text_length)
-    else:
-        components = PRESETS[model.preset](model.init_seed, options.text_length)
-    if options.transformer is not None:  # a single transformer file (original layout)
-        load_transformer_file(options.transformer, components.transformer)
-    if model.vae is not None:  # another 16-channel VAE (model.vae; ae.safetensors)
-        from impasto.models.vae_swap import load_vae
-
-        components.vae = load_vae(model.vae, components.vae)
-    load_text_files(components, model, options)  # CLIP-L, T5 files and T5's tokenizer
-    return FluxBackbone(components, options)
+    return FluxBackbone(*build_components(config, BUILD))
 
 
 register_family("flux")(SPEC)

@@ -23,7 +23,7 @@ from impasto.models.sd3.files import (
 from impasto.models.sd3.lora import LORA_EXPORTS
 from impasto.models.sd3.options import Sd3Options
 from impasto.models.sd3.single_file import load_transformer_file, write_single_file
-from impasto.models.single_file.load import parameters_on_meta
+from impasto.models.transformer_families import FamilyBuild, build_components, swap_vae
 
 SPEC = FamilySpec(
     parts=PART_NAMES,
@@ -36,7 +36,21 @@ SPEC = FamilySpec(
 )
 TRAINING_SHIFT = 3.0  # SD3.5's scheduler shift, which diffusers' SD3 scripts train at too
 
-FROZEN_ONLY = ("text_encoder_3",)
+BUILD = FamilyBuild(
+    family="sd3",
+    spec=SPEC,
+    frozen_part="text_encoder_3",
+    frozen_name="T5",
+    frozen_way_out="or train parts.text_encoder / text_encoder_2, the CLIPs",
+    load_folder=lambda path, options: load_sd3_folder(
+        path, options.text_length, transformer_weights=options.transformer is None
+    ),
+    build_preset=lambda model, options: PRESETS[model.preset](model.init_seed, options.text_length),
+    files_only=files_only,
+    load_transformer_file=load_transformer_file,
+    load_text_files=load_text_files,  # CLIP-L, CLIP-G, T5 files, T5's tokenizer
+    load_vae=swap_vae,  # another 16-channel VAE (model.vae)
+)
 
 
 def shift_advice(config: Any) -> str | None:
@@ -55,44 +69,13 @@ def shift_advice(config: Any) -> str | None:
     )
 
 
-def check_parts(parts: Any) -> None:
-    """``parts.text_encoder_3`` (T5) may only be frozen: a one-line error otherwise."""
-    if parts is None:
-        return
-    for name in FROZEN_ONLY:
-        mode = parts.mode(name)
-        if mode != "frozen":
-            raise ValueError(
-                f"parts.{name}: {mode}, but the sd3 family trains T5 frozen only; set "
-                f"parts.{name}: frozen (or train parts.text_encoder / text_encoder_2, the CLIPs)"
-            )
-
-
 @register_backbone("sd3")
 def build_sd3_backbone(config: Any) -> Sd3Backbone:
     """SD3.5 of ``config.model``: a preset or a diffusers folder."""
-    model = config.model
-    options = SPEC.read_options(model.options, "sd3")
-    check_parts(getattr(config, "parts", None))  # sampling builds from the model section alone
     advice = shift_advice(config) if getattr(config, "train", None) is not None else None
     if advice is not None and os.environ.get("RANK", "0") == "0":
         warnings.warn(advice, stacklevel=2)
-    if model.path is not None:
-        own_weights = options.transformer is None
-        components = load_sd3_folder(model.path, options.text_length, own_weights)
-    elif files_only(model, options):  # the preset's architecture, the files' weights
-        with parameters_on_meta():
-            components = PRESETS[model.preset](model.init_seed, options.text_length)
-    else:
-        components = PRESETS[model.preset](model.init_seed, options.text_length)
-    if options.transformer is not None:  # a single transformer file (original layout)
-        load_transformer_file(options.transformer, components.transformer)
-    if model.vae is not None:  # another 16-channel VAE (model.vae)
-        from impasto.models.vae_swap import load_vae
-
-        components.vae = load_vae(model.vae, components.vae)
-    load_text_files(components, model, options)  # CLIP-L, CLIP-G, T5 files, T5's tokenizer
-    return Sd3Backbone(components, options)
+    return Sd3Backbone(*build_components(config, BUILD))
 
 
 register_family("sd3")(SPEC)

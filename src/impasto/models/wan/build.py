@@ -15,7 +15,7 @@ from impasto.models.backbone import (
     register_backbone,
     register_family,
 )
-from impasto.models.single_file.load import parameters_on_meta
+from impasto.models.transformer_families import FamilyBuild, build_components
 from impasto.models.wan.backbone import WanBackbone
 from impasto.models.wan.components import PART_NAMES, PRESETS
 from impasto.models.wan.files import (
@@ -23,11 +23,11 @@ from impasto.models.wan.files import (
     load_text_file,
     load_vae_setting,
     load_wan_folder,
-    materialize_parameters,
     write_diffusers_folder,
 )
 from impasto.models.wan.lora import LORA_EXPORTS
 from impasto.models.wan.options import MAX_TEXT_LENGTH, WanOptions
+from impasto.models.wan.single_file import load_transformer_file
 
 SPEC = FamilySpec(
     parts=PART_NAMES,
@@ -45,46 +45,29 @@ SPEC = FamilySpec(
     },
 )
 
-FROZEN_ONLY = ("text_encoder",)  # umT5-XXL: 5.7 B parameters read once per caption
-
-
-def check_parts(parts: Any) -> None:
-    """``parts.text_encoder`` (umT5) may only be frozen: a one-line error otherwise."""
-    if parts is None:
-        return
-    for name in FROZEN_ONLY:
-        mode = parts.mode(name)
-        if mode != "frozen":
-            raise ValueError(
-                f"parts.{name}: {mode}, but the wan family trains umT5 frozen only; set "
-                f"parts.{name}: frozen (and train parts.transformer)"
-            )
+BUILD = FamilyBuild(
+    family="wan",
+    spec=SPEC,
+    frozen_part="text_encoder",  # umT5-XXL: 5.7 B parameters read once per caption
+    frozen_name="umT5",
+    frozen_way_out="and train parts.transformer",
+    load_folder=lambda path, options: load_wan_folder(path, options.text_length),
+    build_preset=lambda model, options: PRESETS[model.preset](
+        model.init_seed, options.text_length or MAX_TEXT_LENGTH
+    ),
+    files_only=files_only,
+    load_transformer_file=load_transformer_file,  # the original layout or diffusers' names
+    load_text_files=load_text_file,  # umT5's file and tokenizer
+    load_vae=load_vae_setting,  # another Wan 2.1 VAE: a folder or wan_2.1_vae.safetensors
+)
 
 
 @register_backbone("wan")
 def build_wan_backbone(config: Any) -> WanBackbone:
     """Wan 2.1 of ``config.model``: a preset or a diffusers folder."""
-    model = config.model
-    options = SPEC.read_options(model.options, "wan")
-    check_parts(getattr(config, "parts", None))  # sampling builds from the model section alone
-    length = options.text_length or MAX_TEXT_LENGTH
-    if model.path is not None:
-        components = load_wan_folder(model.path, options.text_length)
-    elif files_only(model, options):  # the preset's architecture, the files' weights
-        with parameters_on_meta():
-            components = PRESETS[model.preset](model.init_seed, length)
-        materialize_parameters(components.transformer)  # its file is copied in place
-    else:
-        components = PRESETS[model.preset](model.init_seed, length)
-    if options.transformer is not None:  # a single transformer file (original layout)
-        from impasto.models.wan.single_file import load_transformer_file
-
-        load_transformer_file(options.transformer, components.transformer)
-    load_text_file(components, model, options)  # umT5's file and tokenizer
+    components, options = build_components(config, BUILD)
     # the length the tokenizer pads to: the option, or the folder's own (load_wan_folder)
     options = options.model_copy(update={"text_length": components.tokenizer.model_max_length})
-    if model.vae is not None:  # another Wan 2.1 VAE: a folder or wan_2.1_vae.safetensors
-        components.vae = load_vae_setting(model.vae, components.vae)
     return WanBackbone(components, options)
 
 

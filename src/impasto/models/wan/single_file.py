@@ -31,8 +31,12 @@ def read_transformer_state(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_transformer_file(path: str | Path, transformer: torch.nn.Module) -> None:
-    """Load ``path`` (module docstring) into ``transformer`` in place, in its dtype; a file of
-    another architecture (missing or extra tensors, other shapes) is a one-line error."""
+    """Load ``path`` (module docstring) into ``transformer`` in place, in its dtype (float32);
+    a file of another architecture (missing or extra tensors, other shapes) is a one-line
+    error. Its parameters may be on the meta device (the files-only build): they take the
+    file's tensors, assigned, with nothing allocated before."""
+    from impasto.models.io import own_aligned_storage
+
     state = read_transformer_state(path)
     expected = transformer.state_dict()
     where = f"{SETTING} {path}"
@@ -49,6 +53,6 @@ def load_transformer_file(path: str | Path, transformer: torch.nn.Module) -> Non
                 f"{where}: {key} has shape {tuple(state[key].shape)}, the model's is "
                 f"{tuple(tensor.shape)}; use the transformer of model.path's release (1.3B/14B)"
             )
-    with torch.no_grad():
-        for key, tensor in expected.items():
-            tensor.copy_(state[key].to(tensor.dtype))
+    state = {key: state[key].to(tensor.dtype) for key, tensor in expected.items()}
+    transformer.load_state_dict(state, strict=True, assign=True)
+    own_aligned_storage(transformer)  # the file's float32 tensors may lie unaligned
