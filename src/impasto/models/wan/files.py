@@ -80,17 +80,6 @@ def files_only(model: Any, options: Any) -> bool:
     return model.path is None and all(path is not None for path in named)
 
 
-def materialize_parameters(module: torch.nn.Module) -> torch.nn.Module:
-    """``module``'s meta parameters as uninitialised CPU memory (nothing drawn), its buffers
-    left as built: ``model.wan.transformer``'s loader copies the file into them in place."""
-    for child in module.modules():
-        for name, param in list(child._parameters.items()):
-            if param is not None and param.is_meta:
-                empty = torch.empty_like(param, device="cpu")
-                child._parameters[name] = torch.nn.Parameter(empty, param.requires_grad)
-    return module
-
-
 def load_text_file(components: WanComponents, model: Any, options: Any) -> None:
     """``model.wan.text_encoder`` (umT5) and ``model.wan.tokenizer`` into ``components``."""
     from impasto.models.encoder_files import load_text_files, load_tokenizer_folder
