@@ -25,7 +25,8 @@ from impasto.models.presets import CLIP_BOS_TOKEN_ID, CLIP_EOS_TOKEN_ID, CLIP_VO
 from impasto.models.tokenizers import TOKENIZER_PAD_TOKEN, load_clip_tokenizer
 
 PART_NAMES = ("transformer", "text_encoder", "text_encoder_2")
-"""The parts, in order: the transformer, CLIP-L, T5 (frozen only: see ``transformer_families.check_parts``)."""
+"""The parts, in order: the transformer, CLIP-L, T5 (frozen only: see
+``transformer_families.check_parts``)."""
 
 # FLUX.1-dev's scheduler/scheduler_config.json: the shift of the sampling ladder grows with
 # the image's tokens (mu from base_shift at base_image_seq_len to max_shift at
