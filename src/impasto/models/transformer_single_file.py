@@ -134,6 +134,23 @@ def load_transformer_file(
     own_aligned_storage(transformer)
 
 
+def write_transformer_file(tensors: Mapping[str, Tensor], out: Path, family: str) -> Path:
+    """``impasto export --format single-file`` of a transformer family: ``tensors`` (already
+    in the family's original layout and the export dtype) as one ``.safetensors`` file
+    ``out``, with the header ``{"impasto.family": family, "format": "pt"}``."""
+    from safetensors.torch import save_file
+
+    if out.suffix.lower() != ".safetensors":
+        raise ValueError(
+            f"export --out {out}: the single file needs a .safetensors name, e.g. "
+            f"{out.with_suffix('.safetensors').name}"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"impasto.family": family, "format": "pt"}
+    save_file({key: value.contiguous() for key, value in tensors.items()}, str(out), metadata)
+    return out
+
+
 def file_variant(path: str | Path, variant: Callable[[Iterable[str]], str | None]) -> str | None:
     """``variant`` (a family's ``transformer_variant``) of a ``.safetensors`` file's tensor
     names, read from its header (None: unreadable)."""

@@ -20,14 +20,14 @@ from impasto.models.flux.files import (
 )
 from impasto.models.flux.lora import LORA_EXPORTS
 from impasto.models.flux.options import FluxOptions
-from impasto.models.flux.single_file import load_transformer_file
+from impasto.models.flux.single_file import load_transformer_file, write_single_file
 from impasto.models.transformer_families import FamilyBuild, build_components, swap_vae
 
 SPEC = FamilySpec(
     parts=PART_NAMES,
     presets=tuple(PRESETS),
     options=FluxOptions,
-    exports={"diffusers": write_diffusers_folder},
+    exports={"diffusers": write_diffusers_folder, "single-file": write_single_file},
     lora_exports=LORA_EXPORTS,
     pipelines={"FluxPipeline": {"prediction_type": "flow"}},  # FLUX.1-dev, -schnell folders
 )

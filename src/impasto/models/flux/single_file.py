@@ -12,6 +12,11 @@ ComfyUI's ``comfy.utils.flux_to_diffusers`` read backwards (``tests/test_flux_si
 holds it against ComfyUI's map and diffusers' own converter). Reading, prefixes, checks and
 messages are shared with the other transformer families
 (:mod:`impasto.models.transformer_single_file`); here are FLUX's map, wording and variants.
+
+:func:`to_original` is the inverse map: ``impasto export --format single-file`` of a FLUX run
+writes the transformer in BFL's layout without a prefix, as ``flux1-dev.safetensors`` holds it
+(a FLUX.1-dev model keeps its ``guidance_in``, a FLUX.1-schnell one has none): the file
+ComfyUI's diffusion-model loader and ``model.flux.transformer`` read.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import Tensor
 
 from impasto.models import transformer_single_file as shared
@@ -103,6 +110,57 @@ def from_original(state: dict[str, Tensor]) -> dict[str, Tensor]:
     if source:
         raise ValueError(f"a tensor the FLUX transformer does not have: {sorted(source)[0]!r}")
     return out
+
+
+def to_original(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A diffusers FLUX transformer's state dict in BFL's original layout: the inverse of
+    :func:`from_original` (q, k, v stacked in ``qkv``; a single block's q, k, v and MLP input
+    in ``linear1``, in that order; the final modulation as (shift, scale))."""
+    source = dict(state)
+    take = source.pop
+    out: dict[str, Tensor] = {}
+    for i in range(shared.count_blocks(source, "transformer_blocks")):
+        block, original = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        for end in ENDS:
+            for names, fused in FUSED_QKV:
+                parts = [take(f"{block}.attn.{name}.{end}") for name in names]
+                out[f"{original}.{fused}.{end}"] = torch.cat(parts, dim=0)
+            for name, fused in DOUBLE_LINEARS.items():
+                out[f"{original}.{fused}.{end}"] = take(f"{block}.{name}.{end}")
+        for name, fused in DOUBLE_NORMS.items():
+            out[f"{original}.{fused}"] = take(f"{block}.{name}")
+    for i in range(shared.count_blocks(source, "single_transformer_blocks")):
+        block, original = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        for end in ENDS:
+            names = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+            parts = [take(f"{block}.{name}.{end}") for name in names]
+            out[f"{original}.linear1.{end}"] = torch.cat(parts, dim=0)
+            for name, fused in SINGLE_LINEARS.items():
+                out[f"{original}.{fused}.{end}"] = take(f"{block}.{name}.{end}")
+        for name, fused in SINGLE_NORMS.items():
+            out[f"{original}.{fused}"] = take(f"{block}.{name}")
+    for end in ENDS:
+        for name, original in BASIC_LINEARS.items():
+            if f"{name}.{end}" in source:  # the guidance embedding: FLUX.1-dev only
+                out[f"{original}.{end}"] = take(f"{name}.{end}")
+        out[f"final_layer.adaLN_modulation.1.{end}"] = swap_scale_shift(
+            take(f"norm_out.linear.{end}")
+        )
+    if source:
+        raise ValueError(
+            f"a tensor the FLUX original layout has no place for: {sorted(source)[0]!r}"
+        )
+    return out
+
+
+def write_single_file(backbone: Any, out: Path, record: dict[str, Any], dtype: torch.dtype) -> Path:
+    """``impasto export --format single-file`` of a FLUX run (``FamilySpec.exports``): the
+    rebuilt transformer (adapters merged, cast to ``dtype`` by the exporter) as one
+    ``.safetensors`` file ``out`` in BFL's layout, without a prefix, as
+    ``flux1-dev.safetensors`` (the transformer alone: ComfyUI's ``models/diffusion_models/``);
+    its VAE and text encoders stay in the diffusers folder or their own files."""
+    tensors = to_original(backbone.components.transformer.state_dict())
+    return shared.write_transformer_file(tensors, out, record.get("family", "flux"))
 
 
 # -- reading and loading a file (impasto.models.transformer_single_file) ---------------------

@@ -162,19 +162,9 @@ def write_single_file(backbone: Any, out: Path, record: dict[str, Any], dtype: t
     ``.safetensors`` file ``out`` in the original layout under ``model.diffusion_model.``, as
     Stability AI release it (``sd3.5_large.safetensors``: the transformer alone; its text
     encoders and VAE stay in the diffusers folder)."""
-    from safetensors.torch import save_file
-
-    if out.suffix.lower() != ".safetensors":
-        raise ValueError(
-            f"export --out {out}: the single file needs a .safetensors name, e.g. "
-            f"{out.with_suffix('.safetensors').name}"
-        )
     state = backbone.components.transformer.state_dict()
     tensors = to_original(state, PREFIXES[0])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"impasto.family": record.get("family", "sd3"), "format": "pt"}
-    save_file({key: value.contiguous() for key, value in tensors.items()}, str(out), metadata)
-    return out
+    return shared.write_transformer_file(tensors, out, record.get("family", "sd3"))
 
 
 # -- reading and loading a file (impasto.models.transformer_single_file) ---------------------

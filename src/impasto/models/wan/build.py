@@ -27,13 +27,13 @@ from impasto.models.wan.files import (
 )
 from impasto.models.wan.lora import LORA_EXPORTS
 from impasto.models.wan.options import MAX_TEXT_LENGTH, WanOptions
-from impasto.models.wan.single_file import load_transformer_file
+from impasto.models.wan.single_file import load_transformer_file, write_single_file
 
 SPEC = FamilySpec(
     parts=PART_NAMES,
     presets=tuple(PRESETS),
     options=WanOptions,
-    exports={"diffusers": write_diffusers_folder},
+    exports={"diffusers": write_diffusers_folder, "single-file": write_single_file},
     lora_exports=LORA_EXPORTS,
     pipelines={"WanPipeline": {"prediction_type": "flow"}},  # Wan2.1-T2V-*-Diffusers folders
     video=True,
