@@ -201,6 +201,7 @@ def encoder_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in module.parameters()) * dtype.itemsize
 
 
+@pytest.mark.slow  # counts a full FLUX.1-dev step on the meta device (~35 s)
 def test_the_flux_dev_estimate_leaves_out_the_released_text_encoders():
     from impasto.bench import format_report, run_bench
     from impasto.models.flux.components import full_clip, full_t5
