@@ -1,5 +1,6 @@
 """The video demo's clips (issue #32): the judge is right on ground truth, the generator is
-seeded, balanced and keeps its held-out combinations out of training, and errors are one line."""
+seeded, balanced and keeps its held-out combinations out of training, its stills are the image
+demo's images and read as one-frame samples beside the clips, and errors are one line."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from impasto.cli import main
-from impasto.data.demo import DEMO_BACKGROUNDS, DEMO_COLORS, DEMO_SHAPES
+from impasto.config.load import build_config
+from impasto.data.demo import DEMO_BACKGROUNDS, DEMO_COLORS, DEMO_SHAPES, demo_caption
+from impasto.data.demo_eval import read_demo_image
 from impasto.data.demo_video import (
     DEMO_DIRECTIONS,
     DEMO_VIDEO_HELD_OUT,
     demo_clip_spec,
+    demo_still_spec,
     demo_video_held_out_prompts,
     parse_demo_video_caption,
     render_demo_clip,
@@ -160,6 +165,8 @@ def test_training_shows_every_combination_but_the_held_out_ones():
         ({"size": 65}, "size must be 32 to 64 pixels, got 65"),
         ({"fmt": "gif"}, "unknown format 'gif'; valid: frames, mp4"),
         ({"num_clips": 0}, "num_clips must be positive, got 0"),
+        ({"num_stills": -1}, "num_stills must be 0 or more, got -1"),
+        ({"num_stills": 2, "held_out": True}, "stills have no held-out set"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(tmp_path, kwargs, message):
@@ -220,3 +227,100 @@ def test_without_pyav_mp4_is_a_one_line_error_and_frames_still_work(tmp_path, mo
         write_demo_video_dataset(tmp_path / "clips", 1, 32, fmt="mp4")
     assert "\n" not in str(error.value) and not (tmp_path / "clips").exists()
     assert write_demo_video_dataset(tmp_path / "frames", 1, 32) == 1
+
+
+def _stills(folder: Path) -> dict[str, bytes]:
+    return {name: data for name, data in _tree(folder).items() if name.startswith("still-")}
+
+
+def test_stills_are_the_image_demos_images_a_pure_function_of_seed_and_index(tmp_path):
+    write_demo_video_dataset(tmp_path / "a", 3, 32, 9, seed=4, num_stills=6)
+    write_demo_video_dataset(tmp_path / "b", 3, 32, 9, seed=4, num_stills=6)
+    write_demo_video_dataset(tmp_path / "c", 5, 32, 9, seed=4, num_stills=2)
+    write_demo_video_dataset(tmp_path / "d", 3, 32, 9, seed=5, num_stills=6)
+    write_demo_video_dataset(tmp_path / "e", 3, 32, 9, seed=4)
+    a = _tree(tmp_path / "a")
+    assert len(a) == 3 * (9 + 2) + 6 * 2 and a == _tree(tmp_path / "b")
+    clips_only = {name: data for name, data in a.items() if not name.startswith("still-")}
+    assert clips_only == _tree(tmp_path / "e")  # stills leave the clips as they were
+    assert _stills(tmp_path / "c").items() <= _stills(tmp_path / "a").items()
+    assert _stills(tmp_path / "d") != _stills(tmp_path / "a")
+    for index in range(6):
+        stem = tmp_path / "a" / f"still-{index:05d}"
+        caption = stem.with_suffix(".txt").read_text(encoding="utf-8").strip()
+        spec = demo_still_spec(index, seed=4, size=32)
+        assert caption == demo_caption(spec.color, spec.shape, spec.background)
+        _, color, shape, _, _, background, _ = caption.split()  # the image demo's caption
+        pixels = np.asarray(Image.open(stem.with_suffix(".png")))
+        assert pixels.shape == (32, 32, 3)  # at the clip size
+        colours = {tuple(int(c) for c in rgb) for rgb in pixels.reshape(-1, 3)}
+        assert colours == {DEMO_COLORS[color], DEMO_BACKGROUNDS[background]}
+        reading = read_demo_image(pixels)
+        assert (reading.color, reading.shape) == (color, shape)
+
+
+def test_stills_show_every_triple_the_clips_hold_out_and_not_the_clips_order():
+    stills = [demo_still_spec(i, seed=6) for i in range(54)]
+    triples = {(s.color, s.shape, s.background) for s in stills}
+    assert triples == set(itertools.product(DEMO_COLORS, DEMO_SHAPES, DEMO_BACKGROUNDS))
+    assert {(c, s, b) for c, s, _, b in DEMO_VIDEO_HELD_OUT} <= triples  # no direction: shown
+    clips = [demo_clip_spec(i, seed=6) for i in range(54)]
+    assert [(s.color, s.shape) for s in stills] != [(c.color, c.shape) for c in clips]
+    sides = [s.box[2] for s in stills]  # the image demo's 30-70 %, not the clips' 40-65 %
+    assert round(0.3 * 64) <= min(sides) < round(0.4 * 64) < round(0.65 * 64) < max(sides)
+
+
+def test_a_mixed_folder_scans_as_clips_and_one_frame_stills(tmp_path):
+    from types import SimpleNamespace
+
+    from impasto.data.video.records import clip_folder_scan
+
+    folder = tmp_path / "mixed"
+    write_demo_video_dataset(folder, 3, variants=[(32, 9), (48, 13)], num_stills=2)
+    found = clip_folder_scan(SimpleNamespace(path=str(folder)), tmp_path / "index")
+    clips = {Path(r.image_path).name: r for r in found.records if r.clip is not None}
+    stills = {Path(r.image_path).name: r for r in found.records if r.clip is None}
+    assert not found.skipped and len(found.records) == 5
+    assert {name: r.clip.info.num_frames for name, r in clips.items()} == {
+        "clip-00000": 9, "clip-00001": 13, "clip-00002": 9}  # fmt: skip
+    assert [clips[f"clip-{i:05d}"].caption for i in range(3)] == [
+        demo_clip_spec(i, 0, size, frames).caption
+        for i, (size, frames) in enumerate([(32, 9), (48, 13), (32, 9)])
+    ]
+    assert {name: (r.size, r.caption) for name, r in stills.items()} == {
+        "still-00000.png": ((32, 32), demo_still_spec(0, 0, 32).caption),
+        "still-00001.png": ((48, 48), demo_still_spec(1, 0, 48).caption),
+    }
+
+
+def _video_demo_raw(tiny_raw: dict, tmp_path: Path, **data: object) -> dict:
+    return {**tiny_raw, "data": {**tiny_raw["data"], "path": str(tmp_path / "demo"), **data}}
+
+
+def test_the_config_writes_stills_only_beside_the_video_demos_clips(tiny_raw, tmp_path):
+    from impasto.data.records import write_run_demo
+
+    video = {"num_frames": 9}
+    for data in ({"generate_demo": True}, {"video": video}):
+        raw = _video_demo_raw(tiny_raw, tmp_path, demo_num_stills=3, **data)
+        with pytest.raises(ValueError, match="demo_num_stills: stills go beside") as error:
+            build_config(raw)
+        assert "\n" not in str(error.value)
+    raw = _video_demo_raw(tiny_raw, tmp_path, generate_demo=True, video=video, resolution=32,
+                          demo_num_images=2, demo_num_stills=3)  # fmt: skip
+    write_run_demo(build_config(raw))
+    names = sorted(path.name for path in (tmp_path / "demo").iterdir())
+    stills = [f"still-{i:05d}{suffix}" for i in range(3) for suffix in (".png", ".txt")]
+    assert names == ["clip-00000", "clip-00000.txt", "clip-00001", "clip-00001.txt", *stills]
+
+
+def test_cli_writes_stills_with_video_only(tmp_path, capsys):
+    out = tmp_path / "mixed"
+    argv = ["data", "demo", str(out), "--video", "--num-clips", "1", "--num-stills", "2"]
+    assert main([*argv, "--size", "32", "--seed", "3"]) == 0
+    assert "wrote 1 clips and 2 stills" in capsys.readouterr().out
+    assert (out / "still-00001.txt").read_text().strip() == demo_still_spec(1, 3, 32).caption
+    assert main(["data", "demo", str(tmp_path / "x"), "--num-stills", "2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "impasto: error: data demo: --num-stills: only with --video"
+    ]

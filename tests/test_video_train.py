@@ -27,13 +27,12 @@ CLIP_SIZES = [(32, 17), (32, 9), (32, 13)]
 
 @pytest.fixture(scope="module")
 def video_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """12 demo clips (17, 9 and 13 frames, 32 px) and 4 still images, with captions."""
-    from impasto.data.demo import write_demo_dataset
+    """12 demo clips (17, 9 and 13 frames, 32 px) and 4 still images, with captions, in one
+    folder as the video demo writes them (``num_stills``)."""
     from impasto.data.demo_video import write_demo_video_dataset
 
-    root = tmp_path_factory.mktemp("video")
-    write_demo_video_dataset(root / "clips", num_clips=12, seed=0, variants=CLIP_SIZES)
-    write_demo_dataset(root / "stills", num_images=4, size=32, seed=0)
+    root = tmp_path_factory.mktemp("video") / "mixed"
+    write_demo_video_dataset(root, num_clips=12, seed=0, variants=CLIP_SIZES, num_stills=4)
     return root
 
 
@@ -82,6 +81,8 @@ def test_clips_and_stills_train_in_packs(straight_run):
     # 12 clips (20, 12 and 16 tokens at 32 px with 2x2 patches) and 4 stills (4 tokens each):
     # 208 tokens, two packs of 128 per epoch.
     assert state["data"]["epoch"] == 3 and state["data"]["batch_in_epoch"] == 0
+    dataset = json.loads((straight_run.last_checkpoint / "dataset.json").read_text())
+    assert (dataset["images"], dataset["steps_per_epoch"]) == (16, 2)  # the stills included
 
 
 def test_a_video_run_stopped_mid_epoch_resumes_bit_for_bit(

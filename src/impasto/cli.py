@@ -239,12 +239,10 @@ def _add_data(sub: Subcommands) -> None:
         metavar="{frames,mp4}",
         help="with --video: a folder of PNGs per clip (default, lossless) or an H.264 .mp4",
     )
-    demo.add_argument(
-        "--held-out",
-        action="store_true",
-        default=None,
-        help="with --video: clips of the combinations training never shows",
-    )
+    demo.add_argument("--held-out", action="store_true", default=None, help="with --video: "
+                      "clips of the combinations training never shows")  # fmt: skip
+    demo.add_argument("--num-stills", type=int, help="with --video: the image demo's "
+                      "images, one-frame samples beside the clips (default 0)")  # fmt: skip
     demo.set_defaults(func=cmd_data_demo)
     preview = data.add_parser(
         "preview", help="a contact sheet of the first training examples, as the model sees them"

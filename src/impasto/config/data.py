@@ -100,7 +100,16 @@ class DataConfig(Section):
     generate_demo: bool = Field(
         False, description="write the built-in demo dataset to `path` if it does not exist"
     )
-    demo_num_images: Int = Field(16, ge=1, le=100_000)
+    demo_num_images: Int = Field(
+        16, ge=1, le=100_000, description="generate_demo: images (with video: clips) to write"
+    )
+    demo_num_stills: Int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="generate_demo with video: the image demo's images to write beside the "
+        "clips, one-frame samples (docs/video.md)",
+    )
     demo_sizes: list[tuple[Resolution, Resolution]] | None = Field(
         None,
         description="generate_demo: (height, width) of the images in turn, for a dataset of "
@@ -176,6 +185,11 @@ class DataConfig(Section):
             )
         if self.generate_demo and self.path is None:
             raise ValueError("generate_demo writes the demo dataset to path; set path")
+        if self.demo_num_stills and not (self.generate_demo and self.video is not None):
+            raise ValueError(
+                "demo_num_stills: stills go beside the video demo's clips; set "
+                "generate_demo: true and video, or remove demo_num_stills"
+            )
         self.source_list()  # a single source's checks now
         return self
 

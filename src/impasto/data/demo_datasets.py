@@ -13,6 +13,7 @@ VIDEO_OPTIONS = {
     "frames": "--frames",
     "fmt": "--format",
     "held_out": "--held-out",
+    "num_stills": "--num-stills",
 }
 
 
@@ -30,7 +31,8 @@ def write_demo(out_dir: Path, video: bool, size: int, seed: int, **given: Any) -
         from impasto.data.demo_video import write_demo_video_dataset
 
         count = write_demo_video_dataset(out_dir, size=size, seed=seed, **options)
-        return f"impasto: wrote {count} clips with captions to {out_dir}"
+        stills = f" and {options['num_stills']} stills" if options.get("num_stills") else ""
+        return f"impasto: wrote {count} clips{stills} with captions to {out_dir}"
     from impasto.data.demo import write_demo_dataset
 
     count = write_demo_dataset(out_dir, size=size, seed=seed, **options)

@@ -10,6 +10,11 @@ The held-out set: 18 of the 216 (colour, shape, direction, background) combinati
 (colour, shape) pair, never appear in training (:data:`DEMO_VIDEO_HELD_OUT`); every three of
 their four words still appear together in training. A model that draws them has learnt the
 words apart, not the combinations by heart.
+
+Stills (``num_stills``): the image demo's images ("a red circle on a white background") at
+the clip size, one-frame samples beside the clips; a video demo learns shapes better with
+them (docs/video.md). A still has no direction, so none is held out: every (colour, shape,
+background) appears.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from impasto.data.demo import (
     DEMO_COLORS,
     DEMO_SHAPES,
     DemoSpec,
+    demo_spec,
     make_empty_dir,
     render_demo_image,
 )
@@ -48,6 +54,10 @@ MIN_VIDEO_SIZE, MAX_VIDEO_SIZE = 32, 64
 MIN_VIDEO_SHAPE_FRACTION, MAX_VIDEO_SHAPE_FRACTION = 0.4, 0.65
 
 Combination = tuple[str, str, str, str]  # (colour, shape, direction, background)
+
+# Stills draw from their own seed stream: with the dataset seed itself, still ``i`` would
+# share clip ``i``'s (colour, shape) order and its random draws.
+STILL_STREAM = 1
 
 
 def demo_video_caption(color: str, shape: str, direction: str, background: str) -> str:
@@ -194,6 +204,14 @@ def render_demo_clip(spec: DemoClipSpec, size: int) -> np.ndarray:
     )
 
 
+def demo_still_spec(index: int, seed: int = 0, size: int = 64) -> DemoSpec:
+    """The image demo's :class:`~impasto.data.demo.DemoSpec` of still ``index`` of the video
+    demo dataset for ``seed``: image ``index`` of the image demo for a seed derived from
+    ``seed`` (:data:`STILL_STREAM`), its shape 30-70 % of ``size``; balanced like the image
+    demo, every (colour, shape, background) appears."""
+    return demo_spec(index, derive_seed(seed, STILL_STREAM), size)
+
+
 def write_demo_video_dataset(
     out_dir: Path,
     num_clips: int = 16,
@@ -203,8 +221,10 @@ def write_demo_video_dataset(
     fmt: str = "frames",
     held_out: bool = False,
     variants: Sequence[tuple[int, int]] | None = None,
+    num_stills: int = 0,
 ) -> int:
-    """Write ``clip-00000`` + ``clip-00000.txt`` ... into ``out_dir``.
+    """Write ``clip-00000`` + ``clip-00000.txt`` ... (and ``still-00000.png`` +
+    ``still-00000.txt`` ...) into ``out_dir``.
 
     Args:
         out_dir: a folder that does not exist yet, or is empty; it is never overwritten.
@@ -220,6 +240,9 @@ def write_demo_video_dataset(
         variants: ``(size, frames)`` of the clips in turn (clip ``i`` takes variant
             ``i % len(variants)``), over ``size`` and ``frames``: a dataset of several clip
             shapes for buckets and packing.
+        num_stills: how many of the image demo's images to write beside the clips
+            (:func:`demo_still_spec`; still ``i`` at the size of variant ``i``), one-frame
+            samples in the same dataset; not with ``held_out``.
 
     Returns:
         The number of clips written.
@@ -227,6 +250,10 @@ def write_demo_video_dataset(
     out_dir = Path(out_dir)
     if num_clips <= 0:
         raise ValueError(f"demo video: num_clips must be positive, got {num_clips}")
+    if num_stills < 0:
+        raise ValueError(f"demo video: num_stills must be 0 or more, got {num_stills}")
+    if num_stills and held_out:
+        raise ValueError("demo video: stills have no held-out set; write them without held_out")
     variants = list(variants or [(size, frames)])
     for variant_size, variant_frames in variants:
         check_clip_geometry(variant_size, variant_frames)
@@ -238,4 +265,10 @@ def write_demo_video_dataset(
         stem = out_dir / f"clip-{index:05d}"
         CLIP_WRITERS[fmt](render_demo_clip(spec, size), stem)
         stem.with_suffix(".txt").write_text(spec.caption + "\n", encoding="utf-8")
+    for index in range(num_stills):
+        size = variants[index % len(variants)][0]
+        still = demo_still_spec(index, seed, size)
+        stem = out_dir / f"still-{index:05d}"
+        render_demo_image(still, size).save(stem.with_suffix(".png"), format="PNG")
+        stem.with_suffix(".txt").write_text(still.caption + "\n", encoding="utf-8")
     return num_clips

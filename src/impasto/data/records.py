@@ -120,7 +120,7 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
 def write_run_demo(config: Any) -> None:
     """``data.generate_demo``: the demo images at ``data.path`` (or with ``data.video``, the
     demo clips: ``data.video.num_frames`` frames, or 9 .. num_frames in turn, at each side of
-    ``data.demo_sizes`` in turn)."""
+    ``data.demo_sizes`` in turn, and ``data.demo_num_stills`` still images)."""
     data = config.data
     if data.video is None:
         count = write_demo_dataset(
@@ -135,9 +135,11 @@ def write_run_demo(config: Any) -> None:
     frames = range(min(9, data.video.num_frames), data.video.num_frames + 1, 4)
     variants = [(side, count) for count in frames for side in sides]
     count = write_demo_video_dataset(
-        Path(data.path), data.demo_num_images, seed=config.train.seed, variants=variants
-    )
-    print(f"impasto: wrote {count} demo clips to {data.path}")
+        Path(data.path), data.demo_num_images, seed=config.train.seed, variants=variants,
+        num_stills=data.demo_num_stills,
+    )  # fmt: skip
+    stills = f" and {data.demo_num_stills} stills" if data.demo_num_stills else ""
+    print(f"impasto: wrote {count} demo clips{stills} to {data.path}")
 
 
 def source_name(source: Any) -> str:
