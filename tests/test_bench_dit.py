@@ -134,8 +134,24 @@ def test_cli_refuses_a_large_model_on_the_cpu_and_names_the_valid_models(capsys)
     assert "unknown --model 'dit-huge'; valid: tiny, demo, sdxl, dit-tiny, dit-s" in err
     assert main(["bench", "--model", "tiny", "--estimate"]) == 2
     assert "--estimate is for FAMILY-PRESET models, not tiny" in capsys.readouterr().err
-    assert main(["bench", "--model", "dit-tiny", "--batch", "4"]) == 2
-    assert "use a multiple of 3" in capsys.readouterr().err
+    assert main(["bench", "--model", "dit-tiny", "--batch", "0"]) == 2
+    assert "--batch 0: give at least one image" in capsys.readouterr().err
+
+
+def test_the_batch_is_dealt_over_the_shapes_square_first():
+    from impasto.bench.mix import image_mix
+
+    class Probe:  # a patch-2 DiT on a factor-8 VAE: a token per 16x16 pixels
+        def sequence_length(self, height: int, width: int) -> int:
+            return (height // 16) * (width // 16)
+
+    four = image_mix(Probe(), 256, 4)
+    assert four.shapes == ((256, 256), (192, 320), (320, 192)) and four.counts == (2, 1, 1)
+    assert four.tokens == (256, 240, 240)
+    one = image_mix(Probe(), 1024, 1)  # a FLUX LoRA step at 1024², batch 1
+    assert one.shapes == ((1024, 1024),) and one.counts == (1,) and one.tokens == (4096,)
+    assert one.layouts() == ("packed",)
+    assert image_mix(Probe(), 256, None).counts == (4, 4, 4)  # 3072 padded tokens
 
 
 def test_reused_builds_are_equal_independent_copies_and_the_registry_is_restored():

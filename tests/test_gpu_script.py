@@ -52,7 +52,7 @@ def test_every_stage_runs_in_a_dry_run(tmp_path):
     results = json.loads((out / "results.json").read_text())
     stages = ["env", "ceilings", "tests", "sdxl-512", "sdxl-1024", "sdxl-1024-compile",
               "sdxl-1024-memory", "fsdp", "draftp", "cache", "train-cached", "dit-tiny",
-              "dit-xl", "dit-video"]  # fmt: skip
+              "dit-xl", "dit-video", "flux-lora"]  # fmt: skip
     assert list(results["stages"]) == stages
     assert all(results["stages"][stage]["exit"] == 0 for stage in stages)
     assert results["ceilings"]["copy"]["gbps"] > 0
@@ -81,7 +81,12 @@ def test_every_stage_runs_in_a_dry_run(tmp_path):
     assert [(s["frames"], s["tokens"]) for s in video["shapes"]] == [(9, 48)]
     rows = [(row["variant"], row["layout"], row["sequence_tokens"]) for row in video["rows"]]
     assert rows == [("adafactor", "packed", 128)] and video["ratios"] == []
+    flux = results["flux-lora"]  # FLUX.1-dev's stage: one square image, LoRA on a float8 base
+    assert flux["model"] == "flux-tiny" and flux["image_tokens"] == 16
+    assert [(row["variant"], row["layout"]) for row in flux["rows"]] == [("default", "packed")]
+    assert set(flux["released_gib"]) == {"text_encoder", "text_encoder_2"}
     text = (out / "results.md").read_text()
+    assert "## flux-lora" in text
     assert "## dit-video" in text and "| seed: NeMo DiT 7B | 8k | TP=2 SP | 10052 | 519 |" in text
     assert "## sdxl-1024-memory" in text and "## draftp at 64²" in text
     assert "## dit-xl" in text and "default: padded / packed step time" in text

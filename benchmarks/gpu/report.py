@@ -13,7 +13,7 @@ from typing import Any
 
 STAGE_FILES = (
     "env", "ceilings", "tests", "sdxl-512", "sdxl-1024", "sdxl-1024-compile", "sdxl-1024-memory",
-    "fsdp", "draftp", "cache", "train-cached", "dit-tiny", "dit-xl", "dit-video",
+    "fsdp", "draftp", "cache", "train-cached", "dit-tiny", "dit-xl", "dit-video", "flux-lora",
 )  # fmt: skip
 
 # The seed's table (seeds/002, NeMo's diffusion framework): its DiT 7B with cross-attention,
@@ -171,7 +171,7 @@ def markdown(results: dict[str, Any]) -> str:
     for name in ("sdxl-512", "sdxl-1024", "sdxl-1024-compile", "sdxl-1024-memory", "fsdp"):
         if name in results and "rows" in results[name]:
             lines += ["", f"## {name}", "", *bench_table(results[name])]
-    for name in ("dit-tiny", "dit-xl", "dit-video"):
+    for name in ("dit-tiny", "dit-xl", "dit-video", "flux-lora"):
         if name in results and "rows" in results[name]:
             lines += ["", f"## {name}", "", *packed_table(results[name])]
     if "dit-video" in results and "rows" in results["dit-video"]:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU campaign in one command (issues #19, #14, #15, #31, #32): what a session with the lent GPU runs.
+# The GPU campaign in one command (issues #19, #14, #15, #31, #32, #33): what a session with the
+# lent GPU runs.
 #
 #   bash benchmarks/gpu/run.sh STAGE [STAGE ...]
 #
@@ -19,6 +20,8 @@
 #   dit-xl     the same for DiT-XL/2 at 256², 48 images (a pack of 11776 tokens): MFU (#31)
 #   dit-video  impasto bench --model dit-7b-video: the 7B video DiT on one 8192-token clip (the
 #              seed's 8k context), tokens/s, TFLOP/s and MFU per GPU beside the seed's (#32)
+#   flux-lora  impasto bench --model flux-dev: a LoRA step on one 1024² image, float8 base,
+#              text encoders released: step time and peak memory (#33: at most 20 GB)
 #
 # On the device (first, here: bash benchmarks/gpu/fetch_wheels.sh):
 #   run(command="DEADLINE_S=330 bash benchmarks/gpu/run.sh env ceilings tests fsdp draftp sdxl-1024",
@@ -189,6 +192,21 @@ stage_dit_video() {
 print(format_report(json.load(open(sys.argv[1]))))" "$WORK/dit-video.json"
 }
 
+# FLUX.1-dev LoRA (#33): one 1024² image, the base in float8, gradient checkpointing, the text
+# encoders released as a run releases them (the batch carries the encodings): step time and
+# peak memory, the issue's goal at most 20 GB. flux-tiny at 64² in a dry run.
+stage_flux_lora() {
+    local model=flux-dev resolution=1024
+    [[ "$DRY_RUN" == 1 ]] && model=flux-tiny resolution=64
+    impasto bench --model "$model" --resolution "$resolution" --batch 1 --steps "$STEPS" \
+        --warmup "$WARMUP" --rounds 1 --precision bf16 --variants default \
+        --set parts.transformer=lora --set memory.frozen_dtype=float8 \
+        --set memory.gradient_checkpointing=all --set cache.text_embeddings=memory \
+        --json > "$WORK/flux-lora.json" || return 1
+    "$PY" -c "import json, sys; from impasto.bench import format_report; \
+print(format_report(json.load(open(sys.argv[1]))))" "$WORK/flux-lora.json"
+}
+
 stage_draftp() {
     local run="$WORK/draftp-run" size="$RES_HIGH"
     rm -rf "$run"
@@ -264,8 +282,8 @@ PYEOF
 }
 
 STAGES=(env ceilings tests sdxl-512 sdxl-1024 sdxl-1024-compile sdxl-1024-memory fsdp draftp cache
-        train-cached dit-tiny dit-xl dit-video)
-[[ $# -eq 0 ]] && { sed -n '2,34p' "$0"; exit 2; }
+        train-cached dit-tiny dit-xl dit-video flux-lora)
+[[ $# -eq 0 ]] && { sed -n '2,37p' "$0"; exit 2; }
 [[ "$1" == all ]] && set -- "${STAGES[@]}"
 for stage in "$@"; do
     [[ " ${STAGES[*]} " == *" $stage "* ]] || { echo "run.sh: unknown stage $stage; valid: ${STAGES[*]}"; exit 2; }

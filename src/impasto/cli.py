@@ -449,8 +449,9 @@ def _add_bench(sub: Subcommands) -> None:
         "other FAMILY-PRESET 256",
     )  # fmt: skip
     bench.add_argument(
-        "--batch", type=int, help="images per step (default 2; FAMILY-PRESET: as many of 3 "
-        "shapes as fill 3072 padded tokens; video models: clips, as many of each --frames)",
+        "--batch", type=int, help="images per step (default 2; FAMILY-PRESET: dealt over 3 "
+        "shapes, the square first, default as many as fill 3072 padded tokens; video models: "
+        "clips, as many of each --frames)",
     )  # fmt: skip
     bench.add_argument(
         "--steps", type=int, help="timed steps per variant (default 10; FAMILY-PRESET 3)"

@@ -63,15 +63,28 @@ class ImageMix:
 
 
 def image_mix(backbone: Backbone, resolution: int, images: int | None) -> ImageMix:
-    """The demo's three aspect ratios at ``resolution``, ``images`` in all (default: as many
-    as fill :data:`PADDED_TOKENS` padded tokens), as many of each shape."""
+    """The demo's three aspect ratios at ``resolution``: ``images`` dealt over them in turn,
+    the square first (``--batch 1``: one square image), or by default as many of each as fill
+    :data:`PADDED_TOKENS` padded tokens."""
     shapes = tuple(
         tuple(max(1, round(resolution * a / SIDE_MULTIPLE)) * SIDE_MULTIPLE for a in aspect)
         for aspect in ASPECTS
     )
     tokens = tuple(backbone.sequence_length(height, width) for height, width in shapes)
-    counts = per_shape(images, tokens, "images", "shapes")
-    return ImageMix(shapes, counts, tokens)
+    if images is None:
+        counts = per_shape(None, tokens, "images", "shapes")
+    elif images < 1:
+        raise ValueError(f"bench: --batch {images}: give at least one image")
+    else:
+        counts = tuple(
+            images // len(shapes) + (i < images % len(shapes)) for i in range(len(shapes))
+        )
+    kept = [i for i, count in enumerate(counts) if count]
+    return ImageMix(
+        tuple(shapes[i] for i in kept),
+        tuple(counts[i] for i in kept),
+        tuple(tokens[i] for i in kept),
+    )
 
 
 def per_shape(total: int | None, tokens: Sequence[int], what: str, kinds: str) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -268,12 +269,15 @@ def time_layouts(
     skipped: dict[tuple[str, str], str] | None = None,
 ) -> tuple[dict[tuple[str, str], list[float]], dict, dict[tuple[str, str], str]]:  # fmt: skip
     """(seconds per round, peak GiB, errors) of each (variant, layout), interleaved: each
-    round times every one once, a fresh model (a copy of one build) each time; ``skipped``
+    round times every one once, a fresh model each time (copies of one build); ``skipped``
     ones (they do not fit) are reported with their reason, not built."""
     times: dict[tuple[str, str], list[float]] = {key: [] for key in plan.configs}
     peaks: dict[tuple[str, str], float | None] = {}
     errors: dict[tuple[str, str], str] = dict(skipped or {})
-    with reusing_builds():
+    builds = rounds * sum(key not in errors for key in plan.configs)
+    # one build is timed as it is: a kept original beside its copy would double the host
+    # memory (FLUX.1-dev's random fp32 networks: 67 GB)
+    with reusing_builds() if builds > 1 else nullcontext():
         for _ in range(rounds):
             for key, config in plan.configs.items():
                 if key in errors:
