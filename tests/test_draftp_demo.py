@@ -1,12 +1,14 @@
 """DRaFT+ on the CPU demo, end to end (issue #15): ``configs/demo-draftp.yaml``, started from the
 demo run's checkpoint at step 500 (of 3,000), raises the demo judge's reward on the 9
-held-out validation prompts and the model-free demo accuracy of its samples; the KL term stays
-bounded; a larger ``kl_coeff`` gains less.
+held-out validation prompts (8 images each) and the model-free demo accuracy of its samples;
+the KL term stays bounded; a larger ``kl_coeff`` gains less and strays less.
 
 The demo run is conftest.py's ``demo_run`` (trained once per session, shared with
 tests/test_demo.py); the two 60-step DRaFT+ runs take ~2 minutes each: ``-m "not slow"`` skips
 it. The numbers depend on the order of floating-point sums, so on the thread count: they were
 measured with one thread, which the demo's tests use on any machine (conftest.py's DEMO_THREADS).
+The bars hold for every training seed measured: a held-out reward of 72 images, not the 18 of
+the config's grid (at 18 images one base rose 0.62 at step 30 and kept 0.12 at step 60).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def reward_tune(base: Path, out: Path, kl_coeff: float) -> TrainResult:
         CONFIGS / "demo-draftp.yaml",
         [
             f"model.path={base}", f"train.output_dir={out}", f"draftp.kl_coeff={kl_coeff}",
-            "train.max_steps=60", "sample.every_steps=30", *QUIET,
+            "train.max_steps=60", "sample.every_steps=60", "sample.images_per_prompt=8",
+            *QUIET,
         ],
     )  # fmt: skip
     return train(config)
@@ -60,16 +63,18 @@ def tuned(base, tmp_path_factory) -> dict[float, Path]:
 
 def test_draftp_raises_the_held_out_reward_within_a_kl_leash(tuned):
     leashed, tight = held_out_rewards(tuned[0.2]), held_out_rewards(tuned[5.0])
-    kls = [row["kl"] for row in rows(tuned[0.2]) if "kl" in row]
-    print(f"draftp demo: held-out reward, kl 0.2: {leashed}; kl 5: {tight}; max KL {max(kls)}")
-    assert len(leashed) == len(tight) == 3  # before the first step, at 30 and at 60
+    kls = {kl: [row["kl"] for row in rows(run) if "kl" in row] for kl, run in tuned.items()}
+    print(f"draftp demo: held-out reward, kl 0.2: {leashed}; kl 5: {tight}; KL {kls}")
+    assert len(leashed) == len(tight) == 2  # before the first step and after the last
     assert leashed[0] == tight[0]  # the same base, the same validation noise
     gain = leashed[-1] - leashed[0]
-    # Measured (1 thread): kl 0.2: -4.41 -> -3.36 -> -2.94 (gain 1.47); kl 5: -4.41 -> -4.07
-    # -> -4.18 (0.23).
-    assert gain >= 0.5
+    # Measured (1 thread, training seeds 0, 1, 2 on one base): kl 0.2 gains 0.68, 0.97, 0.88
+    # (-4.01 -> -3.34, -3.04, -3.14); kl 5 (seed 0) 0.13; KL logged every 5 steps at most
+    # 0.044-0.052, its mean 0.026 at kl 0.2 and 0.015 at kl 5.
+    assert gain >= 0.35
     assert tight[-1] - tight[0] < gain  # a tighter leash gains less
-    assert max(kls) < 0.05  # measured: 0.025
+    assert max(kls[0.2]) < 0.1
+    assert sum(kls[5.0]) < sum(kls[0.2])  # and strays less
     diversity = [row["val/diversity"] for row in rows(tuned[0.2]) if "val/diversity" in row]
     assert min(diversity) > 0.5 * diversity[0]  # no collapse to one image per prompt
 
