@@ -114,8 +114,11 @@ def test_images_are_1_frame_clips_and_reconstruct(vae):
 
 
 def test_the_latent_map_gives_zero_mean_unit_variance_latents(vae):
-    """latents_mean / latents_std were measured on training clips; held-out clips agree."""
-    frames = clip_set(EVAL_SEED, 9, 48, 12, held_out=True).frames
+    """latents_mean / latents_std were measured on training clips; held-out clips agree. The
+    map was measured on shapes of 40-65 % of the side; on the demo's 45-75 % (these 48 clips
+    at 64 px) the channels' means are at most 0.20 from zero, their stds 0.82-1.28 (12 clips
+    at 48 px read one mean at 0.34: too few clips to judge a channel)."""
+    frames = clip_set(EVAL_SEED, 9, 64, 48, held_out=True).frames
     with torch.no_grad():
         mean, _ = clip_posterior(vae, frames)
     latents = encode_clip_latents(vae, mean).transpose(0, 1).flatten(1)  # [z, everything]
