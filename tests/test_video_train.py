@@ -100,6 +100,42 @@ def test_a_video_run_stopped_mid_epoch_resumes_bit_for_bit(
     assert_same(a.objects, b.objects, "optimizer and rng")
 
 
+def test_memoised_clips_and_stills_are_read_once_and_train_alike(
+    straight_run, video_folder, wan_vae_folder, tmp_path, monkeypatch
+):
+    """``cache.latents: memory``: after the first epoch the loader reads no pixels (the memo
+    holds every sample's latents; reading a demo clip's frames each epoch took 22 % of the
+    video demo's step), and the run trains bit for bit as one that reads them every epoch."""
+    import impasto.data.dataset as dataset_module
+    import impasto.train.memo as memo_module
+
+    real = dataset_module.apply_bucket_transform
+    reads = {"skipped": 0, "read": 0}
+
+    def counting(which: str):
+        def transform(image, params):
+            reads[which] += 1
+            return real(image, params)
+
+        return transform
+
+    monkeypatch.setattr(dataset_module, "apply_bucket_transform", counting("skipped"))
+    skipped = train(build_config(video_raw(video_folder, wan_vae_folder, tmp_path / "a", 6)))
+    monkeypatch.setattr(dataset_module, "apply_bucket_transform", counting("read"))
+    monkeypatch.setattr(memo_module, "skip_memoised_pixels", lambda *args: None)
+    read = train(build_config(video_raw(video_folder, wan_vae_folder, tmp_path / "b", 6)))
+    # 6 steps = 3 epochs of 2 packs: every frame of every sample read in each, or in the first
+    assert reads["read"] == 3 * reads["skipped"] > 0
+    a, b = load_checkpoint(skipped.last_checkpoint), load_checkpoint(read.last_checkpoint)
+    assert_same(a.tensors, b.tensors, "weights")
+    assert_same(a.tensors, load_checkpoint(straight_run.last_checkpoint).tensors, "weights")
+    losses = [
+        [json.loads(line).get("loss") for line in (run.run_dir / "metrics.jsonl").open()]
+        for run in (skipped, read)
+    ]
+    assert losses[0] == losses[1]
+
+
 def test_the_checkpoint_samples_clips(straight_run, tmp_path):
     from impasto.cli import main
     from impasto.data.video.probe import probe_clip

@@ -8,7 +8,7 @@ number of workers, and after a resume.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -144,6 +144,10 @@ class ImageCaptionDataset(Dataset):
             caption_variants = cache.caption_variants if text_cached else 0
         self.caption_variants = caption_variants if self.caption_tools.random else 0
         self.video = video
+        # (record, first frame or -1) -> True when the training process has the latents of
+        # that image or clip already (cache.latents: memory); its pixels are then not read
+        # (impasto.train.memo.skip_memoised_pixels; only with the loader in that process)
+        self.memoised: Callable[[int, int], bool] | None = None
 
     def __len__(self) -> int:
         return len(self.records)
@@ -169,16 +173,21 @@ class ImageCaptionDataset(Dataset):
                 return self.skip(index, posterior)
         elif record.clip is not None:
             try:
-                params, pixel_values, clip_start = self.load_clip(record, epoch, bucket, generator)
+                params, pixel_values, clip_start = self.load_clip(
+                    record, epoch, bucket, generator, index
+                )
             except UnreadableClip as error:
                 return self.skip(index, error.reason)
         else:
             try:
                 with record.open_image() as image:
                     # Image.open reads only the header; load() decodes (a truncated file fails).
-                    image.load()
                     params = self.transform.params(image.height, image.width, bucket, generator)
-                    pixel_values = apply_bucket_transform(image, params)
+                    if self.memoised is not None and self.memoised(index, -1):
+                        pixel_values = unread(3, *params.target_size)
+                    else:
+                        image.load()
+                        pixel_values = apply_bucket_transform(image, params)
             except IMAGE_LOAD_ERRORS as error:
                 return self.skip(index, f"unreadable image: {error_reason(error)}")
             if self.video is not None:  # an image in a video run: a one-frame clip
@@ -209,13 +218,15 @@ class ImageCaptionDataset(Dataset):
 
     def load_clip(
         self, record: ImageRecord, epoch: int, bucket: tuple[int, int] | None,
-        generator: torch.Generator,
+        generator: torch.Generator, index: int,
     ) -> tuple[BucketCrop, torch.Tensor, int]:  # fmt: skip
         """A clip record's transform (drawn as an image's: one for every frame), its frames
         ``[3, T, H, W]`` for ``epoch``, and its first frame's index."""
         info = record.clip.info
         params = self.transform.params(info.height, info.width, bucket, generator)
         indices = clip_frame_indices(record, self.video, self.seed, epoch)
+        if self.memoised is not None and self.memoised(index, indices[0]):
+            return params, unread(3, len(indices), *params.target_size), indices[0]
         frames = [apply_bucket_transform(frame, params) for frame in clip_frames(record, indices)]
         return params, stack_frames(frames), indices[0]
 
@@ -340,6 +351,12 @@ def _loss_weights(examples: Sequence[Example]) -> torch.Tensor | None:
     if all(weight is None for weight in weights):
         return None
     return torch.tensor([1.0 if w is None else w for w in weights], dtype=torch.float32)
+
+
+def unread(*shape: int) -> torch.Tensor:
+    """Zeros of ``shape`` without their memory (an expanded scalar): the pixels of an image
+    whose latents the training process memoised, which nothing reads."""
+    return torch.zeros(()).expand(*shape)
 
 
 def collate_examples(examples: Sequence[Example | Skipped]) -> Batch:

@@ -36,6 +36,7 @@ from impasto.logging.progress import RunProgress
 from impasto.logging.system import peak_memory
 from impasto.precision import resolve_device, resolve_precision
 from impasto.train.evaluation import build_evaluator, release_gathered
+from impasto.train.memo import share_encodings
 from impasto.train.methods import DataNeeds, Rows
 from impasto.train.nonfinite import NonFiniteGuard
 from impasto.train.optim import LRSchedule
@@ -63,7 +64,6 @@ from impasto.train.step_metrics import (
     subset_means,
 )
 from impasto.train.summary import dataset_facts, report, run_clock, summary_lines
-from impasto.train.text_release import release_text_encoders
 from impasto.train.validation import ValidationGrid, render_validation_grid, validation_prompts
 
 
@@ -169,7 +169,7 @@ class Trainer:
         self.meter = IntervalMeter()
         # Read once: a prompt file edited mid-run changes neither the grids nor the ranks' lockstep.
         self.prompts = validation_prompts(config.sample) if config.sample.every_steps else []
-        release_text_encoders(setup, config, self.data, self.prompts)  # cached: issue #33
+        share_encodings(setup, config, self.data, self.prompts)  # cache: issues #33, #32
         self.state = TrainState()
         self.unsynced = UnsyncedCounts()
         self.lr = LRSchedule(setup.optimizer, config.optim, self.data.total_steps)
