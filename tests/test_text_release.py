@@ -81,7 +81,7 @@ def runs(demo_folder: Path, tmp_path_factory: pytest.TempPathFactory):
 
     released = run(with_eval(flux_raw(demo_folder, out / "released")))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("impasto.train.trainer.release_text_encoders", lambda *args: [])
+        patch.setattr("impasto.train.text_release.release_text_encoders", lambda *args: [])
         kept = run(with_eval(flux_raw(demo_folder, out / "kept")))
     return released, kept
 
@@ -270,7 +270,7 @@ def test_a_disk_cached_run_releases_its_encoders_and_trains_the_same(demo_folder
 
     released, losses = disk_run("released")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("impasto.train.trainer.release_text_encoders", lambda *args: [])
+        patch.setattr("impasto.train.text_release.release_text_encoders", lambda *args: [])
         kept, kept_losses = disk_run("kept")
     assert len(losses) == 2 and losses == kept_losses  # (no validation loss here)
     components = released.setup.backbone.components
