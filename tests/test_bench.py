@@ -79,6 +79,26 @@ def test_cli_json_and_errors(capsys) -> None:
     assert "unknown variant 'turbo'" in capsys.readouterr().err
 
 
+def test_json_file_holds_the_report_the_table_prints(capsys, tmp_path, monkeypatch) -> None:
+    """``--json-file``: the JSON in a file and the table on screen, from one run (run.sh keeps
+    both without a second process); a path it could not write is refused before timing."""
+    args = ["bench", "--steps", "1", "--warmup", "0", "--variants", "default", "lora_r32"]
+    assert main([*args, "--json-file", str(tmp_path / "bench.json")]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [row["name"] for row in report["rows"]] == ["diffusers", "default", "lora_r32"]
+    assert capsys.readouterr().out.strip() == format_report(report)
+
+    timed = []
+    monkeypatch.setattr("impasto.bench.run_bench", lambda **kwargs: timed.append(kwargs))
+    for path, problem in [
+        (tmp_path / "missing" / "bench.json", "does not exist; create it first"),
+        (tmp_path, "is a folder"),
+    ]:
+        assert main([*args, "--json-file", str(path)]) == 2
+        assert problem in capsys.readouterr().err
+    assert timed == []
+
+
 def test_a_parallel_rank_reports_baseline_and_scaling_in_one_process() -> None:
     """:func:`bench_rank` outside torchrun: a group of one (so the test needs no launch)."""
     report = bench_rank(ParallelRequest("fsdp", "tiny", 64, 2, 2, 0, 1, "auto", "cpu"))

@@ -132,9 +132,7 @@ bench() {  # bench NAME RESOLUTION BATCH [extra args]
     # shellcheck disable=SC2086  # VARIANTS is a list of words
     impasto bench --model "$MODEL" --resolution "$resolution" --batch "$batch" \
         --steps "$STEPS" --warmup "$WARMUP" --rounds "$ROUNDS" --precision bf16 "$@" \
-        --json > "$WORK/$name.json" || return 1
-    "$PY" -c "import json, sys; from impasto.bench import format_report; \
-print(format_report(json.load(open(sys.argv[1]))))" "$WORK/$name.json"
+        --json-file "$WORK/$name.json"
 }
 
 # A dry run runs some stages with the very arguments of an earlier one (the tiny model at 64²):
@@ -142,8 +140,7 @@ print(format_report(json.load(open(sys.argv[1]))))" "$WORK/$name.json"
 dry_twin() {  # dry_twin NAME TWIN: true (and NAME's results are TWIN's) in a dry run after TWIN
     [[ "$DRY_RUN" == 1 && -f "$WORK/$2.json" ]] || return 1
     cp "$WORK/$2.json" "$WORK/$1.json"
-    "$PY" -c "import json, sys; from impasto.bench import format_report; \
-print(format_report(json.load(open(sys.argv[1]))))" "$WORK/$1.json"
+    echo "dry run: $1 has the arguments of $2, whose results it copies"
 }
 
 stage_sdxl_512() { bench sdxl-512 "$RES_LOW" "$BATCH_512" --variants $VARIANTS; }
@@ -165,10 +162,8 @@ stage_fsdp() { bench fsdp "$RES_HIGH" "$BATCH_1024" --parallel fsdp --nproc 1 --
 dit_bench() {  # dit_bench NAME MODEL RESOLUTION BATCH: packed against padded, interleaved
     local name=$1 model=$2 resolution=$3 batch=$4
     impasto bench --model "$model" --resolution "$resolution" --batch "$batch" --steps "$STEPS" \
-        --warmup "$WARMUP" --rounds "$((ROUNDS > 1 ? ROUNDS : 2))" --precision bf16 --json \
-        > "$WORK/$name.json" || return 1
-    "$PY" -c "import json, sys; from impasto.bench import format_report; \
-print(format_report(json.load(open(sys.argv[1]))))" "$WORK/$name.json"
+        --warmup "$WARMUP" --rounds "$((ROUNDS > 1 ? ROUNDS : 2))" --precision bf16 \
+        --json-file "$WORK/$name.json"
 }
 # The tiny DiT: the demo's three aspect ratios, 12 images at 256² (64² and 3 in a dry run).
 stage_dit_tiny() {
@@ -187,9 +182,7 @@ stage_dit_video() {
     # shellcheck disable=SC2086  # VIDEO_VARIANTS is a list of words
     impasto bench --model "$VIDEO_MODEL" ${VIDEO_ARGS[@]+"${VIDEO_ARGS[@]}"} --steps "$STEPS" \
         --warmup "$WARMUP" --rounds "$((ROUNDS > 1 ? ROUNDS : 2))" --precision bf16 \
-        --variants $VIDEO_VARIANTS --json > "$WORK/dit-video.json" || return 1
-    "$PY" -c "import json, sys; from impasto.bench import format_report; \
-print(format_report(json.load(open(sys.argv[1]))))" "$WORK/dit-video.json"
+        --variants $VIDEO_VARIANTS --json-file "$WORK/dit-video.json"
 }
 
 # FLUX.1-dev LoRA (#33): one 1024² image, the base in float8, gradient checkpointing, the text
@@ -202,9 +195,7 @@ stage_flux_lora() {
         --warmup "$WARMUP" --rounds 1 --precision bf16 --variants default \
         --set parts.transformer=lora --set memory.frozen_dtype=float8 \
         --set memory.gradient_checkpointing=all --set cache.text_embeddings=memory \
-        --json > "$WORK/flux-lora.json" || return 1
-    "$PY" -c "import json, sys; from impasto.bench import format_report; \
-print(format_report(json.load(open(sys.argv[1]))))" "$WORK/flux-lora.json"
+        --json-file "$WORK/flux-lora.json"
 }
 
 stage_draftp() {
@@ -295,6 +286,7 @@ report() { "$PY" "$REPO/benchmarks/gpu/report.py" "$WORK" --out "$OUT"; }
 run_stage() {  # run_stage NAME: its output to the log, its exit status and time to WORK
     local stage=$1 started=$SECONDS status
     echo "== $stage ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+    rm -f "$WORK/$stage.json"  # an earlier call's numbers are not this one's
     "stage_${stage//-/_}" 2>&1 | tee -a "$LOG"
     status=${PIPESTATUS[0]}
     echo "{\"stage\": \"$stage\", \"exit\": $status, \"seconds\": $((SECONDS - started))}" \

@@ -75,9 +75,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from impasto.bench import format_report, run_bench
+    from impasto.bench import check_report_file, format_report, run_bench
 
     _quiet_progress_bars()
+    json_file = check_report_file(args.json_file)  # before the minutes of timing, not after
     report = run_bench(
         model=args.model,
         resolution=args.resolution,
@@ -95,6 +96,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         frames=args.frames,
     )
     if report is not None:  # None: a rank other than 0 of a parallel bench
+        if json_file is not None:
+            json_file.write_text(json.dumps(report) + "\n", encoding="utf-8")
         print(json.dumps(report) if args.json else format_report(report))
     return 0
 
@@ -456,19 +459,15 @@ def _add_bench(sub: Subcommands) -> None:
     bench.add_argument(
         "--steps", type=int, help="timed steps per variant (default 10; FAMILY-PRESET 3)"
     )
-    bench.add_argument(
-        "--warmup", type=int, help="untimed steps first (default 3; FAMILY-PRESET 1)"
-    )
+    bench.add_argument("--warmup", type=int, help="untimed steps first (default 3; "
+                       "FAMILY-PRESET 1)")  # fmt: skip
     bench.add_argument(
         "--rounds", type=int, help="repeat all variants, interleaved; median (default 1; "
         "FAMILY-PRESET 3)",
     )  # fmt: skip
-    bench.add_argument(
-        "--estimate",
-        action="store_true",
-        help="FAMILY-PRESET: count FLOPs per token, parameters and memory on the meta device; "
-        "time nothing (any size, on any machine)",
-    )
+    bench.add_argument("--estimate", action="store_true", help="FAMILY-PRESET: count FLOPs "
+                       "per token, parameters and memory on the meta device; time nothing (any "
+                       "size, on any machine)")  # fmt: skip
     bench.add_argument("--frames", type=int, nargs="+", metavar="N", help="video models: "
                        "one clip shape per frame count k·4+1 (1: an image)")  # fmt: skip
     bench.add_argument("--precision", default="auto", help="auto | bf16 | fp32 | pure_bf16")
@@ -478,6 +477,8 @@ def _add_bench(sub: Subcommands) -> None:
     )
     bench.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument("--json-file", metavar="PATH", help="also write the report as JSON to "
+                       "PATH (the table still prints; its folder must exist)")  # fmt: skip
     bench.add_argument(
         "--parallel",
         default="none",

@@ -34,7 +34,7 @@ import torch
 
 from impasto.bench.diffusers_step import DiffusersStep, count_flops
 from impasto.bench.packed import family_preset, model_names, run_packed_bench
-from impasto.bench.report import format_report
+from impasto.bench.report import check_report_file, format_report
 from impasto.bench.step import (
     VARIANTS,
     ImpastoStep,
@@ -203,6 +203,7 @@ __all__ = [
     "PARALLEL_STRATEGIES",
     "BenchRow",
     "DiffusersStep",
+    "check_report_file",
     "count_flops",
     "format_report",
     "run_bench",

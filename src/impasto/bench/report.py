@@ -1,12 +1,31 @@
 """The report of ``impasto bench`` as a table: the one-process form, the packed-vs-padded form
 of a model that packs tokens (:mod:`impasto.bench.packed`), and the parallel form
-(:func:`impasto.bench.parallel.format_parallel_report`)."""
+(:func:`impasto.bench.parallel.format_parallel_report`); where ``--json-file`` writes it."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from impasto.bench.step import show_value
+
+
+def check_report_file(path: str | None) -> Path | None:
+    """``--json-file PATH`` checked before the bench runs: a report that took minutes of a GPU
+    is not lost to a missing folder or a read-only one at the end."""
+    if path is None:
+        return None
+    file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"bench: --json-file {path} is a folder; name a file in it")
+    if not file.parent.is_dir():
+        raise ValueError(
+            f"bench: --json-file {path}: the folder {file.parent} does not exist; create it first"
+        )
+    if not os.access(file.parent, os.W_OK) or (file.exists() and not os.access(file, os.W_OK)):
+        raise ValueError(f"bench: --json-file {path} cannot be written; choose another path")
+    return file
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -50,7 +50,8 @@ def latent_posterior(vae: AutoencoderKL, pixels: Tensor) -> tuple[Tensor, Tensor
         clips, image = _as_clip(vae, pixels)
         mean, std = video_autoencoder.clip_posterior(vae, clips)
         return (mean[:, :, 0], std[:, :, 0]) if image else (mean, std)
-    posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+    first = next(vae.parameters())  # what vae.device and vae.dtype find, without their module walk
+    posterior = vae.encode(pixels.to(first.device, first.dtype)).latent_dist
     return posterior.mean, posterior.std
 
 

@@ -97,7 +97,10 @@ class SDXLBackbone:
 
     @property
     def device(self) -> torch.device:
-        return self.components.unet.device
+        # The first parameter's, as diffusers' ``unet.device`` finds it once it has looked for a
+        # group-offloading hook (impasto never applies one) in every submodule: that walk took
+        # 4 % of the CPU demo's step time (a step asks for the device 4 times).
+        return next(self.components.unet.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:
