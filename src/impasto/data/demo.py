@@ -43,6 +43,9 @@ DEMO_SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 MIN_SHAPE_FRACTION = 0.3
 MAX_SHAPE_FRACTION = 0.7
 MIN_DEMO_SIZE = 16
+DEMO_GENERATOR = 1
+"""The version of the images drawn, in the stamp of the demo data a run writes
+(:mod:`impasto.data.demo_stamp`): raise it when the same settings would draw other images."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,10 @@ from impasto.data.demo import (
 from impasto.data.demo_video_files import CLIP_WRITERS, check_clip_format
 from impasto.data.seeding import derive_seed
 
+DEMO_VIDEO_GENERATOR = 1
+"""The version of the clips drawn, in the stamp of the demo data a run writes
+(:mod:`impasto.data.demo_stamp`): raise it when the same settings would draw other clips."""
+
 DEMO_DIRECTIONS: dict[str, tuple[int, int]] = {
     "left": (-1, 0),
     "right": (1, 0),

@@ -15,17 +15,18 @@ suffix of training, no tag shuffle, tag dropout or caption dropout): evaluating 
 from __future__ import annotations
 
 import hashlib
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from impasto.data.buckets import assign_image_buckets, buckets_from
 from impasto.data.captions import caption_tools_from
 from impasto.data.dataset import Batch, ImageCaptionDataset, collate_examples
-from impasto.data.demo import write_demo_dataset
-from impasto.data.demo_video import write_demo_video_dataset
+from impasto.data.demo import DEMO_GENERATOR, write_demo_dataset
+from impasto.data.demo_stamp import check_stamp, write_stamped
+from impasto.data.demo_video import DEMO_VIDEO_GENERATOR, write_demo_video_dataset
 from impasto.data.folder import ImageRecord
 from impasto.data.seeding import derive_seed
 from impasto.data.video.records import clip_sampling, expand_clip_slots, sample_shapes
@@ -103,27 +104,30 @@ def generate_missing_demo_sets(config: Any, main: bool = True) -> None:
     than the training data: the demo's held-out set. Written to a temporary folder and renamed,
     so an interrupted start never leaves half a set behind."""
     data = config.data
-    if data.generate_demo and main:
-        for eval_set in config.eval.sets:
-            path = Path(eval_set.path)
-            if eval_set.source != "folder" or path.exists():
-                continue
-            count = min(config.eval.max_images, DEMO_SET_IMAGES)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".tmp-") as temporary:
-                written = Path(temporary) / "set"
-                seed = demo_set_seed(config.eval.seed, eval_set.name)
-                if data.video is None:
-                    write_demo_dataset(written, count, data.resolution, seed=seed)
-                else:  # clips of the combinations no training clip shows
-                    write_demo_video_dataset(written, count, data.resolution, frames=9,
-                                             seed=seed, held_out=True)  # fmt: skip
-                written.rename(path)
-            print(
-                f"impasto: wrote {count} held-out demo images to {path} (eval set {eval_set.name})"
-            )
-    if data.generate_demo:
-        barrier()
+    if not data.generate_demo:
+        return
+    sets = [eval_set for eval_set in config.eval.sets if eval_set.source == "folder"]
+    # Not the count (eval.max_images reads the first images of a larger set) nor the seed.
+    kind = f"demo images {DEMO_GENERATOR}" if data.video is None else (
+        f"demo clips {DEMO_VIDEO_GENERATOR}, held out"
+    )  # fmt: skip
+    settings = {"generator": kind, "resolution": data.resolution}
+    for eval_set in sets if main else ():
+        path = Path(eval_set.path)
+        if path.exists():
+            continue
+        count = min(config.eval.max_images, DEMO_SET_IMAGES)
+        seed = demo_set_seed(config.eval.seed, eval_set.name)
+        if data.video is None:
+            write = partial(write_demo_dataset, num_images=count, size=data.resolution, seed=seed)
+        else:  # clips of the combinations no training clip shows
+            write = partial(write_demo_video_dataset, num_clips=count, size=data.resolution,
+                            frames=9, seed=seed, held_out=True)  # fmt: skip
+        write_stamped(path, settings, write)
+        print(f"impasto: wrote {count} held-out demo images to {path} (eval set {eval_set.name})")
+    barrier()
+    for eval_set in sets:
+        check_stamp(Path(eval_set.path), settings, f"eval.sets {eval_set.name}")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from impasto.data.demo import write_demo_dataset
+from impasto.data.demo import DEMO_GENERATOR, write_demo_dataset
+from impasto.data.demo_stamp import check_stamp, write_stamped
 from impasto.data.folder import ImageRecord, Scan, scan_folder, scan_manifest
 from impasto.data.holdout import ordered_images, record_identity, split_held_out
 from impasto.data.prompts import read_prompts
@@ -76,6 +77,8 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
     if main and data.generate_demo and not Path(data.path).exists():
         write_run_demo(config)
     barrier()
+    if data.generate_demo:  # every rank: each stops with the same line
+        check_stamp(Path(data.path), run_demo_settings(config), "data.path")
     if data.prompts is not None:
         prompts = read_prompts(data.prompts)
         name = Path(data.prompts).name
@@ -117,29 +120,43 @@ def scan_sources(config: Any, main: bool = True) -> Scan:
     return Scan(records, distinct(scan.skipped), scan.groups, held_out)
 
 
+def run_demo_settings(config: Any) -> dict[str, Any]:
+    """What the demo data of ``data.generate_demo`` is written for (its stamp; not the seed)."""
+    data = config.data
+    settings = {"demo_num_images": data.demo_num_images, "resolution": data.resolution,
+                "demo_sizes": data.demo_sizes}  # fmt: skip
+    if data.video is None:
+        return {"generator": f"demo images {DEMO_GENERATOR}"} | settings
+    from impasto.data.demo_video import DEMO_VIDEO_GENERATOR
+
+    video = {"video.num_frames": data.video.num_frames, "demo_num_stills": data.demo_num_stills}
+    return {"generator": f"demo clips {DEMO_VIDEO_GENERATOR}"} | settings | video
+
+
 def write_run_demo(config: Any) -> None:
     """``data.generate_demo``: the demo images at ``data.path`` (or with ``data.video``, the
     demo clips: ``data.video.num_frames`` frames, or 9 .. num_frames in turn, at each side of
-    ``data.demo_sizes`` in turn, and ``data.demo_num_stills`` still images)."""
-    data = config.data
+    ``data.demo_sizes`` in turn, and ``data.demo_num_stills`` still images), written whole and
+    stamped (:mod:`impasto.data.demo_stamp`)."""
+    data, path = config.data, Path(config.data.path)
     if data.video is None:
-        count = write_demo_dataset(
-            Path(data.path), data.demo_num_images, data.resolution, seed=config.train.seed,
+        write_stamped(path, run_demo_settings(config), lambda folder: write_demo_dataset(
+            folder, data.demo_num_images, data.resolution, seed=config.train.seed,
             sizes=data.demo_sizes,
-        )  # fmt: skip
-        print(f"impasto: wrote {count} demo images to {data.path}")
+        ))  # fmt: skip
+        print(f"impasto: wrote {data.demo_num_images} demo images to {data.path}")
         return
     from impasto.data.demo_video import write_demo_video_dataset
 
     sides = [height for height, _ in data.demo_sizes or [(data.resolution, data.resolution)]]
     frames = range(min(9, data.video.num_frames), data.video.num_frames + 1, 4)
     variants = [(side, count) for count in frames for side in sides]
-    count = write_demo_video_dataset(
-        Path(data.path), data.demo_num_images, seed=config.train.seed, variants=variants,
+    write_stamped(path, run_demo_settings(config), lambda folder: write_demo_video_dataset(
+        folder, data.demo_num_images, seed=config.train.seed, variants=variants,
         num_stills=data.demo_num_stills,
-    )  # fmt: skip
+    ))  # fmt: skip
     stills = f" and {data.demo_num_stills} stills" if data.demo_num_stills else ""
-    print(f"impasto: wrote {count} demo clips{stills} to {data.path}")
+    print(f"impasto: wrote {data.demo_num_images} demo clips{stills} to {data.path}")
 
 
 def source_name(source: Any) -> str:
