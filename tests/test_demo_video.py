@@ -311,7 +311,8 @@ def test_the_config_writes_stills_only_beside_the_video_demos_clips(tiny_raw, tm
     write_run_demo(build_config(raw))
     names = sorted(path.name for path in (tmp_path / "demo").iterdir())
     stills = [f"still-{i:05d}{suffix}" for i in range(3) for suffix in (".png", ".txt")]
-    assert names == ["clip-00000", "clip-00000.txt", "clip-00001", "clip-00001.txt", *stills]
+    assert names == [".impasto-demo.json", "clip-00000", "clip-00000.txt", "clip-00001",
+                     "clip-00001.txt", *stills]  # fmt: skip
 
 
 def test_cli_writes_stills_with_video_only(tmp_path, capsys):
