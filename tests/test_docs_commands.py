@@ -141,28 +141,25 @@ def test_every_shown_command_names_real_options(shown: Shown):
 def workdir(tmp_path_factory) -> Path:
     """A folder with the demo data, a full fine-tune run at runs/demo, a LoRA run at
     runs/sdxl-lora and a DiT run at runs/demo-dit (one step each, tiny models), as the
-    documented commands expect."""
+    documented commands expect. Each run writes its own demo data (the DiT's: three aspect
+    ratios): a demo folder serves only the settings it was written for."""
     root = tmp_path_factory.mktemp("docs")
-    common = ["--set", "data.path=data/demo", "--set", "data.generate_demo=true",
+    common = ["--set", "data.generate_demo=true",
               "--set", "train.max_steps=1", "--set", "sample.every_steps=0",
               "--set", "log.tensorboard=false", "--set", "log.progress_bar=false"]  # fmt: skip
     runs = {
         "demo": [
-            str(ROOT / "configs/demo.yaml"),
-            "--set",
-            "cache.latents=none",
-            "--set",
-            "cache.text_embeddings=none",
+            str(ROOT / "configs/demo.yaml"), "--set", "data.path=data/demo",
+            "--set", "cache.latents=none", "--set", "cache.text_embeddings=none",
         ],
         "sdxl-lora": [
-            str(ROOT / "configs/sdxl-lora.yaml"),
-            "--set",
-            "model.preset=tiny",
-            "--set",
-            "data.resolution=64",
+            str(ROOT / "configs/sdxl-lora.yaml"), "--set", "data.path=data/demo-lora",
+            "--set", "model.preset=tiny", "--set", "data.resolution=64",
         ],
-        "demo-dit": [str(ROOT / "configs/demo-dit.yaml")],  # the DiT family's commands
-    }
+        "demo-dit": [  # the DiT family's commands
+            str(ROOT / "configs/demo-dit.yaml"), "--set", "data.path=data/demo-mixed",
+        ],
+    }  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
         for name, args in runs.items():
